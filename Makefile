@@ -1,0 +1,27 @@
+# One entry point. `make demo` and `make test` each set up .venv first (once).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-0.1
+
+.PHONY: demo test test-quick lint bench clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	# torch first, pinned: a bare or ranged `torch` could pull a multi-GB CUDA build.
+	$(PY) -m pip install --quiet torch==2.13.0 numpy
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+demo: $(STAMP)
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node 4 -m ppclip_func.demo
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check ppclip_func tests bench
+	$(VENV)/bin/ruff format --check ppclip_func tests bench
+	$(PY) -m pytest
+
+test-quick: $(STAMP)
+	$(PY) -m pytest -m "not slow"
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

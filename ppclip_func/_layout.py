@@ -1,0 +1,197 @@
+"""Layout analysis: how many ranks of the world mesh hold each gradient element.
+
+Every rank contributes ``weight * sum(|x|^p)`` for each local shard ``x`` it
+holds, and the one all-reduce sums those contributions over the ranks of the
+world mesh. For the sum to count each element of the logical model gradient
+exactly once, a leaf's weight is ``1 / copies``, where ``copies`` is the number
+of ranks holding any given element of that leaf:
+
+* a ``Shard`` (or ``_StridedShard``) mesh dim of the leaf splits elements over
+  its coordinates: each element lives on one of them (factor 1);
+* a ``Replicate`` mesh dim of the leaf copies every element (factor = dim size);
+* a dim of the world mesh outside the leaf's own mesh is a pipeline dim
+  (different parameters at each coordinate, factor 1) when named in
+  ``pp_dim``, otherwise a replica dim (factor = dim size). A plain tensor leaf
+  has no mesh of its own, so it is replicated over every non-pipeline dim.
+
+All of this is static Python on mesh shapes and placements: no collective, no
+tensor value read. Max and min norms do not need weights (a replica repeats
+the same value and ``max``/``min`` are idempotent).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement
+
+__all__: list[str] = []
+
+
+@dataclasses.dataclass(frozen=True)
+class World:
+    """The ranks a clip reduces over, as seen from this rank.
+
+    Attributes:
+        mesh: The world mesh, or ``None`` when nothing is distributed.
+        stage_size: Ranks per pipeline stage (world size over the pipeline dims).
+        rank_stage: Global rank to its pipeline-stage coordinates, for every
+            rank of ``mesh``.
+        group_name: Name of the process group spanning ``mesh``, or ``None``
+            when no collective is needed.
+    """
+
+    mesh: DeviceMesh | None
+    stage_size: int
+    rank_stage: dict[int, tuple[int, ...]]
+    group_name: str | None
+
+
+_WORLDS: dict[tuple[DeviceMesh, tuple[int, ...]], World] = {}
+
+
+def pipeline_dims(mesh: DeviceMesh | None, pp_dim: str | Sequence[str] | None) -> tuple[int, ...]:
+    """Returns the indices of the pipeline dims of ``mesh``.
+
+    Raises:
+        ValueError: ``pp_dim`` names a dim the mesh does not have.
+    """
+    if mesh is None:
+        if pp_dim is not None:
+            raise ValueError(f"pp_dim={pp_dim!r} was given but mesh is None; pass the world mesh")
+        return ()
+    names = mesh.mesh_dim_names or ()
+    if pp_dim is None:
+        return (names.index("pp"),) if "pp" in names else ()
+    wanted = (pp_dim,) if isinstance(pp_dim, str) else tuple(pp_dim)
+    missing = [n for n in wanted if n not in names]
+    if missing:
+        raise ValueError(f"pp_dim names {missing} that the mesh does not have; its dims are {names}")
+    return tuple(sorted(names.index(n) for n in wanted))
+
+
+def resolve_world(mesh: DeviceMesh | None, pp_dims: tuple[int, ...], leaf_meshes: Sequence[DeviceMesh]) -> World:
+    """Returns the world a clip reduces over.
+
+    With ``mesh=None`` the world is the largest mesh among the DTensor leaves
+    (every other leaf mesh must lie inside it), so DTensors are reduced over
+    their own ranks as ``full_tensor()`` would; with no DTensor leaves there is
+    nothing to reduce.
+
+    Raises:
+        ValueError: This rank is not in ``mesh``, or (with ``mesh=None``) the
+            leaf meshes do not nest in one of them.
+    """
+    if mesh is None:
+        if not leaf_meshes:
+            return World(mesh=None, stage_size=1, rank_stage={}, group_name=None)
+        mesh = max(leaf_meshes, key=lambda m: m.size())
+        ranks = set(_mesh_ranks(mesh))
+        for other in leaf_meshes:
+            if not ranks.issuperset(_mesh_ranks(other)):
+                raise ValueError(
+                    f"mesh=None but the DTensor leaves live on meshes that do not nest ({mesh} and {other}); "
+                    "pass the world mesh that spans all of them"
+                )
+    if torch.compiler.is_compiling():
+        return _make_world(mesh, pp_dims)
+    key = (mesh, pp_dims)
+    if key not in _WORLDS:
+        _WORLDS[key] = _make_world(mesh, pp_dims)
+    return _WORLDS[key]
+
+
+def _make_world(mesh: DeviceMesh, pp_dims: tuple[int, ...]) -> World:
+    if mesh.get_coordinate() is None:
+        raise ValueError(f"this rank ({dist.get_rank()}) is not part of the mesh {mesh}")
+    return world_from_table(mesh, mesh.mesh.tolist(), tuple(mesh.shape), pp_dims, _group_name(mesh))
+
+
+def world_from_table(
+    mesh: DeviceMesh | None, table: list, shape: tuple[int, ...], pp_dims: tuple[int, ...], group_name: str | None
+) -> World:
+    """Builds a :class:`World` from the mesh's nested list of global ranks."""
+    rank_stage: dict[int, tuple[int, ...]] = {}
+    for coord in _coordinates(shape):
+        rank = table
+        for c in coord:
+            rank = rank[c]
+        rank_stage[rank] = tuple(coord[d] for d in pp_dims)
+    stage_size = math.prod(shape) // math.prod(shape[d] for d in pp_dims)
+    return World(mesh=mesh, stage_size=stage_size, rank_stage=rank_stage, group_name=group_name)
+
+
+def _coordinates(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    coords: list[tuple[int, ...]] = [()]
+    for n in shape:
+        coords = [(*c, i) for c in coords for i in range(n)]
+    return coords
+
+
+def _group_name(mesh: DeviceMesh) -> str | None:
+    if mesh.size() == 1:
+        return None
+    if mesh.ndim == 1:
+        return mesh.get_group().group_name
+    if mesh.size() == dist.get_world_size():
+        return dist.group.WORLD.group_name
+    # A multi-dim mesh smaller than the world has no group of its own yet;
+    # DeviceMesh creates (and caches) one for its flattened form.
+    return mesh._flatten().get_group().group_name
+
+
+def _mesh_ranks(mesh: DeviceMesh) -> list[int]:
+    return mesh.mesh.flatten().tolist()
+
+
+def copies(world: World, leaf: torch.Tensor, path: str) -> int:
+    """Returns how many ranks of the world hold each element of ``leaf``.
+
+    Raises:
+        ValueError: As :func:`replica_count`.
+    """
+    if not isinstance(leaf, DTensor):
+        return world.stage_size
+    mesh = leaf.device_mesh
+    return replica_count(world, _mesh_ranks(mesh), tuple(mesh.shape), tuple(leaf.placements), path)
+
+
+def replica_count(
+    world: World, ranks: Sequence[int], shape: tuple[int, ...], placements: Sequence[Placement], path: str
+) -> int:
+    """Returns how many ranks hold each element of a DTensor on the mesh ``ranks`` of ``shape``.
+
+    The leaf's own mesh holds ``prod(Replicate dim sizes)`` copies of each
+    element. SPMD over the world means the pipeline stages its ranks belong
+    to are tiled by copies of that mesh, each holding the same parameter, so
+    the count is multiplied by ``holders / len(ranks)``.
+
+    Raises:
+        ValueError: The leaf's mesh has ranks outside the world mesh, the
+            layout does not tile the world, or a placement is ``Partial``.
+    """
+    for p in placements:
+        if p.is_partial():
+            raise ValueError(
+                f"gradient leaf {path} has a Partial placement {p}: its local values are not its "
+                "elements, so their norm is not the gradient's; redistribute it to Shard/Replicate first"
+            )
+    foreign = [r for r in ranks if r not in world.rank_stage]
+    if foreign:
+        raise ValueError(
+            f"gradient leaf {path} lives on a mesh whose ranks {foreign} are not in the world mesh {world.mesh}"
+        )
+    replicas = math.prod(n for n, p in zip(shape, placements) if p.is_replicate())
+    holders = world.stage_size * len({world.rank_stage[r] for r in ranks})
+    if holders % len(ranks):
+        raise ValueError(
+            f"gradient leaf {path} lives on a mesh of {len(ranks)} ranks, which does not tile the "
+            f"{holders} ranks of its pipeline stage(s); the layout is not SPMD over the world mesh"
+        )
+    return holders // len(ranks) * replicas

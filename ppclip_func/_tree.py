@@ -1,0 +1,80 @@
+"""Gradient pytrees: flattening with paths, local shards, and input validation.
+
+Validation looks only at static facts (types, dtypes, devices, placements),
+which every rank of an SPMD program sees alike, and it runs before the
+collective: a bad call raises on every rank instead of leaving some ranks
+waiting in an all-reduce that others skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils import _pytree as pytree
+
+__all__: list[str] = []
+
+
+@dataclasses.dataclass
+class Leaves:
+    """The tensor leaves of a gradient pytree, in flattening order.
+
+    Attributes:
+        flat: Every leaf of the tree (``None`` included), for unflattening.
+        spec: The tree structure.
+        index: Position in ``flat`` of each tensor leaf.
+        paths: Pytree path of each tensor leaf, as ``keystr`` prints it.
+        tensors: The tensor leaves (``torch.Tensor`` or ``DTensor``).
+        locals: The local shard of each leaf (the leaf itself for plain tensors).
+    """
+
+    flat: list[Any]
+    spec: pytree.TreeSpec
+    index: list[int]
+    paths: list[str]
+    tensors: list[torch.Tensor]
+    locals: list[torch.Tensor]
+
+    def unflatten(self, new_tensors: list[torch.Tensor]) -> Any:
+        """Returns the tree with each tensor leaf replaced by ``new_tensors[i]``."""
+        flat = list(self.flat)
+        for i, t in zip(self.index, new_tensors):
+            flat[i] = t
+        return pytree.tree_unflatten(flat, self.spec)
+
+
+def flatten_grads(grads: Any, what: str = "gradient") -> Leaves:
+    """Flattens ``grads`` and checks each leaf.
+
+    Raises:
+        TypeError: A leaf is neither a tensor nor ``None``, or is not a real
+            floating-point tensor.
+        ValueError: Leaves sit on different devices.
+    """
+    with_path, spec = pytree.tree_flatten_with_path(grads)
+    flat = [leaf for _, leaf in with_path]
+    index, paths, tensors, locals_ = [], [], [], []
+    for i, (path, leaf) in enumerate(with_path):
+        if leaf is None:
+            continue
+        name = pytree.keystr(path) or "<root>"
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"{what} leaf {name} must be a torch.Tensor, a DTensor or None, got {type(leaf).__name__}")
+        if not leaf.is_floating_point():
+            raise TypeError(
+                f"{what} leaf {name} has dtype {leaf.dtype}; only real floating-point gradients have a norm here"
+            )
+        local = leaf.to_local() if isinstance(leaf, DTensor) else leaf
+        if locals_ and local.device != locals_[0].device:
+            raise ValueError(
+                f"{what} leaves {paths[0]} and {name} are on different devices "
+                f"({locals_[0].device} and {local.device}); a clip works on one device per rank"
+            )
+        index.append(i)
+        paths.append(name)
+        tensors.append(leaf)
+        locals_.append(local)
+    return Leaves(flat=flat, spec=spec, index=index, paths=paths, tensors=tensors, locals=locals_)
