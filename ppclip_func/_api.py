@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar
@@ -9,24 +10,47 @@ from typing import Any, TypeVar
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.utils import _pytree as pytree
 
 from ._layout import copies, pipeline_dims, resolve_world
 from ._local import local_statistics
 from ._norms import NormKind, norm_kind
-from ._reduce import all_reduce_statistics
-from ._scale import clip_coefficient, scale
+from ._paths import GroupSpec, TiedSpec, check_groups, check_tied, group_index, tied_stages
+from ._reduce import all_reduce_statistics, reduce_partial
+from ._scale import NONFINITE_POLICIES, check_finite, clip_coefficient, scale
 from ._tree import Leaves, flatten_grads
 
 __all__ = ["clip_grad_norm", "clip_grad_norm_", "clip_grads_with_norm", "global_grad_norm"]
 
 PyTree = TypeVar("PyTree")
 PpDim = str | Sequence[str] | None
+GroupNorms = dict[str, torch.Tensor]
+PARTIAL_POLICIES = ("error", "reduce")
+
+
+@dataclasses.dataclass(frozen=True)
+class _NormOptions:
+    """How a norm is measured; every field is static Python."""
+
+    pp_dim: PpDim = None
+    groups: GroupSpec | None = None
+    tied: TiedSpec | None = None
+    partial: str = "error"
+    overflow_safe: bool = False
 
 
 @torch.no_grad()
 def global_grad_norm(
-    grads: Any, mesh: DeviceMesh | None, norm_type: float = 2.0, *, pp_dim: PpDim = None
-) -> torch.Tensor:
+    grads: Any,
+    mesh: DeviceMesh | None,
+    norm_type: float = 2.0,
+    *,
+    pp_dim: PpDim = None,
+    groups: GroupSpec | None = None,
+    tied: TiedSpec | None = None,
+    partial: str = "error",
+    overflow_safe: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, GroupNorms]:
     """Returns the norm of the whole model's gradient, with one collective.
 
     Every leaf is weighed by its layout (see the README's "How one collective
@@ -47,17 +71,32 @@ def global_grad_norm(
         pp_dim: Name(s) of the mesh dims whose coordinates hold different
             parts of the model (pipeline stages). Default: ``"pp"`` if the mesh
             has such a dim, else none.
+        groups: Optional ``{label: pattern}``; a leaf belongs to the first
+            group whose pattern (a substring of its pytree path, or a
+            predicate on the path) matches it. Each group's global norm is
+            computed in the same collective. Every rank must pass the same
+            labels.
+        tied: Optional ``{path substring: n}``: the leaf's gradient is held,
+            already summed and identical, by ``n`` pipeline stages (a tied
+            embedding and output head: ``n=2``); it is counted once.
+        partial: ``"error"`` (default) rejects ``Partial`` DTensor leaves;
+            ``"reduce"`` all-reduces their ``Partial("sum"/"avg")`` dims first,
+            one extra collective per such leaf.
+        overflow_safe: Accumulate every leaf in float64, so finite fp32 grads
+            whose sum of squares overflows fp32 still have a finite norm.
+            Slower in eager mode on CPU.
 
     Returns:
         A 0-dim float32 tensor (float64 if any leaf is float64) on the grads'
-        device, bitwise equal on every rank of ``mesh``.
+        device, bitwise equal on every rank of ``mesh``. With ``groups``, a
+        pair ``(total_norm, {label: group_norm})``.
 
     Raises:
-        TypeError: A leaf is not a real floating-point tensor, or
-            ``norm_type`` is not a number.
+        TypeError: A leaf is not a real floating-point tensor, or an option
+            has the wrong type.
         ValueError: ``norm_type`` is negative and finite, ``pp_dim`` is not a
             dim of ``mesh``, this rank or a leaf's mesh lies outside ``mesh``,
-            or a leaf has a ``Partial`` placement.
+            or a leaf has a ``Partial`` placement that cannot be handled.
 
     Example:
         >>> import torch
@@ -65,15 +104,23 @@ def global_grad_norm(
         >>> grads = {"w": torch.full((3,), 2.0), "b": None, "h": [torch.ones(4, 4)]}
         >>> global_grad_norm(grads, None)
         tensor(5.2915)
+        >>> global_grad_norm(grads, None, groups={"w": "['w']", "h": "['h']"})
+        (tensor(5.2915), {'w': tensor(3.4641), 'h': tensor(4.)})
     """
     kind = norm_kind(norm_type)
-    leaves = flatten_grads(grads)
-    return _total_norm(leaves, mesh, kind, pp_dim)
+    opts = _NormOptions(pp_dim, groups, tied, partial, overflow_safe)
+    total, group_norms = _measure(flatten_grads(grads), mesh, kind, opts)
+    return total if groups is None else (total, group_norms)
 
 
 @torch.no_grad()
 def clip_grads_with_norm(
-    grads: PyTree, max_norm: float | torch.Tensor, total_norm: torch.Tensor, *, eps: float = 1e-6
+    grads: PyTree,
+    max_norm: float | torch.Tensor,
+    total_norm: torch.Tensor,
+    *,
+    eps: float = 1e-6,
+    nonfinite: str = "propagate",
 ) -> PyTree:
     """Returns ``grads`` scaled by ``min(max_norm / (total_norm + eps), 1)``.
 
@@ -86,13 +133,19 @@ def clip_grads_with_norm(
         max_norm: The largest norm allowed, a number or a 0-dim tensor.
         total_norm: The norm to clip against, as from :func:`global_grad_norm`.
         eps: Added to ``total_norm`` before dividing.
+        nonfinite: What to do when ``total_norm`` is inf or NaN:
+            ``"propagate"`` (scale anyway, as torch does), ``"zero"`` (return
+            all-zero grads, on the device, no sync) or ``"error"`` (raise).
 
     Returns:
         The scaled gradients, with the structure of ``grads``.
 
     Raises:
-        TypeError: A leaf is not a real floating-point tensor.
-        ValueError: ``max_norm`` or ``eps`` is negative or NaN.
+        TypeError: A leaf is not a real floating-point tensor, or
+            ``total_norm`` is not a 0-dim tensor.
+        ValueError: ``max_norm`` or ``eps`` is negative or NaN, or
+            ``nonfinite`` is not a policy.
+        RuntimeError: ``nonfinite="error"`` and ``total_norm`` is not finite.
 
     Example:
         >>> import torch
@@ -100,10 +153,12 @@ def clip_grads_with_norm(
         >>> clip_grads_with_norm([torch.full((4,), 3.0)], 1.0, torch.tensor(6.0), eps=0.0)
         [tensor([0.5000, 0.5000, 0.5000, 0.5000])]
     """
-    _check_clip_args(max_norm, eps)
+    _check_clip_args(max_norm, eps, nonfinite)
+    if not isinstance(total_norm, torch.Tensor) or total_norm.dim() != 0:
+        raise TypeError(f"total_norm must be a 0-dim tensor, got {total_norm!r}")
     leaves = flatten_grads(grads)
-    coef = clip_coefficient(max_norm, total_norm, eps)
-    return leaves.unflatten(_rewrap(leaves, scale(leaves.locals, coef, inplace=False)))
+    scaled = _apply(leaves.locals, max_norm, total_norm, eps, nonfinite, None, inplace=False)
+    return leaves.unflatten(_rewrap(leaves, scaled))
 
 
 @torch.no_grad()
@@ -115,7 +170,12 @@ def clip_grad_norm(
     *,
     pp_dim: PpDim = None,
     eps: float = 1e-6,
-) -> tuple[PyTree, torch.Tensor]:
+    groups: GroupSpec | None = None,
+    tied: TiedSpec | None = None,
+    partial: str = "error",
+    nonfinite: str = "propagate",
+    overflow_safe: bool = False,
+) -> tuple[PyTree, torch.Tensor] | tuple[PyTree, torch.Tensor, GroupNorms]:
     """Clips a gradient pytree by the global norm over ``mesh``; pure.
 
     Equivalent to :func:`global_grad_norm` followed by
@@ -126,17 +186,26 @@ def clip_grad_norm(
     Args:
         grads: A pytree of ``torch.Tensor``/``DTensor`` gradients or ``None``.
         mesh: The world mesh, or ``None`` (see :func:`global_grad_norm`).
-        max_norm: The largest norm allowed, a number or a 0-dim tensor.
+        max_norm: The largest norm allowed, a number or a 0-dim tensor. Under
+            ``torch.compile`` a Python number is a compile-time constant; pass
+            a 0-dim tensor for a schedule.
         norm_type: ``p > 0``, ``0``, ``inf`` or ``-inf``.
         pp_dim: The pipeline dim name(s) of ``mesh`` (default ``"pp"`` if present).
         eps: Added to the total norm before dividing.
+        groups: Per-group norms (see :func:`global_grad_norm`).
+        tied: Leaves held by several pipeline stages (see :func:`global_grad_norm`).
+        partial: ``"error"`` or ``"reduce"`` (see :func:`global_grad_norm`).
+        nonfinite: ``"propagate"``, ``"zero"`` or ``"error"`` (see
+            :func:`clip_grads_with_norm`).
+        overflow_safe: Float64 accumulation (see :func:`global_grad_norm`).
 
     Returns:
         ``(clipped, total_norm)``: the scaled gradients, with the structure
-        of ``grads``, and the norm before clipping.
+        of ``grads``, and the norm before clipping; with ``groups``,
+        ``(clipped, total_norm, {label: group_norm})``.
 
     Raises:
-        TypeError, ValueError: As :func:`global_grad_norm` and
+        TypeError, ValueError, RuntimeError: As :func:`global_grad_norm` and
             :func:`clip_grads_with_norm`.
 
     Example:
@@ -148,12 +217,14 @@ def clip_grad_norm(
         >>> clipped["w"], clipped["b"]
         (tensor([0.5000, 0.5000, 0.5000, 0.5000]), None)
     """
-    _check_clip_args(max_norm, eps)
+    _check_clip_args(max_norm, eps, nonfinite)
     kind = norm_kind(norm_type)
     leaves = flatten_grads(grads)
-    total = _total_norm(leaves, mesh, kind, pp_dim)
-    coef = clip_coefficient(max_norm, total, eps)
-    return leaves.unflatten(_rewrap(leaves, scale(leaves.locals, coef, inplace=False))), total
+    opts = _NormOptions(pp_dim, groups, tied, partial, overflow_safe)
+    total, group_norms = _measure(leaves, mesh, kind, opts)
+    scaled = _apply(leaves.locals, max_norm, total, eps, nonfinite, kind.p, inplace=False)
+    clipped = leaves.unflatten(_rewrap(leaves, scaled))
+    return (clipped, total) if groups is None else (clipped, total, group_norms)
 
 
 @torch.no_grad()
@@ -165,7 +236,12 @@ def clip_grad_norm_(
     *,
     pp_dim: PpDim = None,
     eps: float = 1e-6,
-) -> torch.Tensor:
+    groups: GroupSpec | None = None,
+    tied: TiedSpec | None = None,
+    partial: str = "error",
+    nonfinite: str = "propagate",
+    overflow_safe: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, GroupNorms]:
     """Clips ``p.grad`` of every parameter in place by the global norm over ``mesh``.
 
     The drop-in for a torchtitan-style trainer: same norm and the same one
@@ -176,19 +252,27 @@ def clip_grad_norm_(
 
     Args:
         parameters: A tensor, an iterable of tensors (a generator works), or
-            a pytree of them such as ``dict(model.named_parameters())``.
+            a pytree of them such as ``dict(model.named_parameters())`` (then
+            ``groups`` and ``tied`` patterns see the parameter names).
         mesh: The world mesh, or ``None`` (see :func:`global_grad_norm`).
         max_norm: The largest norm allowed, a number or a 0-dim tensor.
         norm_type: ``p > 0``, ``0``, ``inf`` or ``-inf``.
         pp_dim: The pipeline dim name(s) of ``mesh`` (default ``"pp"`` if present).
         eps: Added to the total norm before dividing.
+        groups: Per-group norms (see :func:`global_grad_norm`).
+        tied: Leaves held by several pipeline stages (see :func:`global_grad_norm`).
+        partial: ``"error"`` or ``"reduce"`` (see :func:`global_grad_norm`).
+        nonfinite: ``"propagate"``, ``"zero"`` or ``"error"`` (see
+            :func:`clip_grads_with_norm`).
+        overflow_safe: Float64 accumulation (see :func:`global_grad_norm`).
 
     Returns:
-        The total norm of the gradients before clipping.
+        The total norm of the gradients before clipping; with ``groups``,
+        ``(total_norm, {label: group_norm})``.
 
     Raises:
-        TypeError, ValueError: As :func:`clip_grad_norm`; leaf paths name
-            the parameter.
+        TypeError, ValueError, RuntimeError: As :func:`clip_grad_norm`; leaf
+            paths name the parameter.
 
     Example:
         >>> import torch
@@ -200,49 +284,82 @@ def clip_grad_norm_(
         >>> model.weight.grad
         tensor([[0.6000, 0.8000]])
     """
-    _check_clip_args(max_norm, eps)
+    _check_clip_args(max_norm, eps, nonfinite)
     kind = norm_kind(norm_type)
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     elif not isinstance(parameters, (list, tuple, dict)) and isinstance(parameters, Iterable):
         parameters = list(parameters)
-    grads = [_grad_of(p) for p in _parameter_leaves(parameters)]
+    grads = pytree.tree_map(_grad_of, parameters)
     leaves = flatten_grads(grads, what="parameter grad")
-    total = _total_norm(leaves, mesh, kind, pp_dim)
-    scale(leaves.locals, clip_coefficient(max_norm, total, eps), inplace=True)
-    return total
-
-
-def _parameter_leaves(parameters: Any) -> list[Any]:
-    from torch.utils import _pytree as pytree
-
-    return pytree.tree_leaves(parameters)
+    opts = _NormOptions(pp_dim, groups, tied, partial, overflow_safe)
+    total, group_norms = _measure(leaves, mesh, kind, opts)
+    _apply(leaves.locals, max_norm, total, eps, nonfinite, kind.p, inplace=True)
+    return total if groups is None else (total, group_norms)
 
 
 def _grad_of(p: Any) -> torch.Tensor | None:
+    if p is None:
+        return None
     if not isinstance(p, torch.Tensor):
         raise TypeError(f"parameters must be tensors, got {type(p).__name__}")
     return p.grad
 
 
-def _total_norm(leaves: Leaves, mesh: DeviceMesh | None, kind: NormKind, pp_dim: PpDim) -> torch.Tensor:
+def _measure(
+    leaves: Leaves, mesh: DeviceMesh | None, kind: NormKind, opts: _NormOptions
+) -> tuple[torch.Tensor, GroupNorms]:
+    """Returns the total norm and each group's norm, with exactly one statistics collective."""
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
-    pp = pipeline_dims(mesh, pp_dim)
-    leaf_meshes = [t.device_mesh for t in leaves.tensors if isinstance(t, DTensor)]
-    world = resolve_world(mesh, pp, leaf_meshes)
-    weights = [1.0 / copies(world, t, path) for t, path in zip(leaves.tensors, leaves.paths)]
-    device = leaves.locals[0].device if leaves.locals else _mesh_device(world.mesh)
-    stats = local_statistics(leaves.locals, weights, [0] * len(weights), 1, kind, device)
+    if opts.partial not in PARTIAL_POLICIES:
+        raise ValueError(f"partial must be one of {PARTIAL_POLICIES}, got {opts.partial!r}")
+    labels = check_groups(opts.groups)
+    check_tied(opts.tied)
+    pp = pipeline_dims(mesh, opts.pp_dim)
+
+    tensors, locals_ = list(leaves.tensors), list(leaves.locals)
+    if opts.partial == "reduce":
+        for i, (t, path) in enumerate(zip(tensors, leaves.paths)):
+            if isinstance(t, DTensor) and any(p.is_partial() for p in t.placements):
+                tensors[i] = reduce_partial(t, path)
+                locals_[i] = tensors[i].to_local()
+
+    world = resolve_world(mesh, pp, [t.device_mesh for t in tensors if isinstance(t, DTensor)])
+    weights = [1.0 / (copies(world, t, path) * tied_stages(path, opts.tied)) for t, path in zip(tensors, leaves.paths)]
+    # Leaves in no group form one more group, so the total covers every leaf.
+    n = len(labels) + 1
+    group_of = [group_index(path, opts.groups) for path in leaves.paths]
+    device = locals_[0].device if locals_ else _mesh_device(world.mesh)
+    stats = local_statistics(locals_, weights, group_of, n, kind, device, overflow_safe=opts.overflow_safe)
     reduced = all_reduce_statistics(stats, kind.op, world.group_name)
+
     if kind.op == "sum":
-        total = kind.root(reduced[0])
+        per_group, total = kind.root(reduced), kind.root(reduced.sum())
     elif kind.op == "max":
-        total = reduced[0]
-    else:  # -inf: a norm of nothing is 0, as in torch; reduced[1] < 0 iff some rank held an element
-        total = torch.where(reduced[1] < 0, reduced[0], torch.zeros_like(reduced[0]))
-    out_dtype = torch.float64 if any(t.dtype == torch.float64 for t in leaves.locals) else torch.float32
-    return total.to(out_dtype)
+        per_group, total = reduced, reduced.max()
+    else:  # -inf: the second half flags (with -1) groups that hold an element on some rank
+        mins, present = reduced[:n], reduced[n:] < 0
+        zero = torch.zeros_like(mins)
+        per_group = torch.where(present, mins, zero)
+        total = torch.where(present.any(), mins.min(), zero[0])
+    out_dtype = torch.float64 if any(t.dtype == torch.float64 for t in locals_) else torch.float32
+    group_norms = {label: per_group[i].to(out_dtype) for i, label in enumerate(labels)}
+    return total.to(out_dtype), group_norms
+
+
+def _apply(
+    locals_: list[torch.Tensor],
+    max_norm: float | torch.Tensor,
+    total: torch.Tensor,
+    eps: float,
+    nonfinite: str,
+    norm_type: float | None,
+    *,
+    inplace: bool,
+) -> list[torch.Tensor]:
+    keep = check_finite(total, norm_type, nonfinite)
+    return scale(locals_, clip_coefficient(max_norm, total, eps), inplace=inplace, keep=keep)
 
 
 def _mesh_device(mesh: DeviceMesh | None) -> torch.device:
@@ -263,7 +380,7 @@ def _rewrap(leaves: Leaves, new_locals: list[torch.Tensor]) -> list[torch.Tensor
     return out
 
 
-def _check_clip_args(max_norm: float | torch.Tensor, eps: float) -> None:
+def _check_clip_args(max_norm: float | torch.Tensor, eps: float, nonfinite: str) -> None:
     if isinstance(max_norm, torch.Tensor):
         if max_norm.dim() != 0:
             raise ValueError(f"max_norm must be a number or a 0-dim tensor, got shape {tuple(max_norm.shape)}")
@@ -273,3 +390,5 @@ def _check_clip_args(max_norm: float | torch.Tensor, eps: float) -> None:
         raise ValueError(f"max_norm must be >= 0, got {max_norm}")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or math.isnan(eps) or eps < 0:
         raise ValueError(f"eps must be a number >= 0, got {eps!r}")
+    if nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")

@@ -20,17 +20,21 @@ __all__: list[str] = []
 STAT_DTYPE = torch.float64
 
 
-def leaf_norms(tensors: list[torch.Tensor], kind: NormKind) -> list[torch.Tensor]:
+def leaf_norms(tensors: list[torch.Tensor], kind: NormKind, *, overflow_safe: bool = False) -> list[torch.Tensor]:
     """Returns ``vector_norm(t, kind.p)`` of each tensor, 0-dim, in fp32 or fp64.
 
     Tensors are grouped by device and dtype so each group is one foreach call.
+    With ``overflow_safe``, every leaf accumulates in float64: an fp32 leaf
+    whose sum of squares passes 3.4e38 (elements around 1e19 and up) then
+    still has a finite norm. It is off by default because torch's eager
+    float64 accumulation is much slower than float32 on CPU (see the README).
     """
     buckets: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
     for i, t in enumerate(tensors):
         buckets[(t.device, t.dtype)].append(i)
     norms: list[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
     for (_, dtype), idx in buckets.items():
-        acc = torch.promote_types(dtype, torch.float32)
+        acc = torch.float64 if overflow_safe else torch.promote_types(dtype, torch.float32)
         for i, n in zip(idx, torch._foreach_norm([tensors[i] for i in idx], kind.p, dtype=acc)):
             norms[i] = n
     return norms
@@ -43,6 +47,8 @@ def local_statistics(
     n_groups: int,
     kind: NormKind,
     device: torch.device,
+    *,
+    overflow_safe: bool = False,
 ) -> torch.Tensor:
     """Returns this rank's contribution to every group's norm, ready to all-reduce.
 
@@ -53,6 +59,7 @@ def local_statistics(
         n_groups: Number of groups.
         kind: The norm being computed.
         device: Where the statistics live (the grads' device).
+        overflow_safe: Accumulate every leaf in float64 (see :func:`leaf_norms`).
 
     Returns:
         A float64 vector. For sum and max norms it has ``n_groups`` entries.
@@ -65,7 +72,7 @@ def local_statistics(
     if kind.op == "min":
         out[n_groups:] = 0.0
     live = [i for i, t in enumerate(tensors) if t.numel() > 0]
-    norms = leaf_norms([tensors[i] for i in live], kind)
+    norms = leaf_norms([tensors[i] for i in live], kind, overflow_safe=overflow_safe)
 
     # Bucket leaves by (group, weight): one stack and one reduction per bucket.
     buckets: dict[tuple[int, float], list[torch.Tensor]] = defaultdict(list)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed._functional_collectives as funcol
+from torch.distributed.tensor import DTensor, Replicate
 
 __all__: list[str] = []
 
@@ -39,3 +40,27 @@ def all_reduce_statistics(stats: torch.Tensor, op: str, group_name: str | None) 
     if group_name is None:
         return stats
     return funcol.all_reduce(stats, op, group_name)
+
+
+def reduce_partial(leaf: DTensor, path: str) -> DTensor:
+    """Returns ``leaf`` with each ``Partial`` mesh dim reduced to ``Replicate``.
+
+    This is the one documented exception to the single collective: a
+    ``Partial`` DTensor's local values are addends, not elements, so its norm
+    needs the reduced values. It costs one all-reduce of the leaf per
+    ``Partial`` dim (DTensor's own ``redistribute``), issued before the
+    statistics collective, and only when the caller asks for it with
+    ``partial="reduce"``.
+
+    Raises:
+        ValueError: A ``Partial`` reduce op other than ``sum`` or ``avg``
+            (a ``max``/``min`` partial has no norm-preserving reduction here).
+    """
+    placements = tuple(leaf.placements)
+    for p in placements:
+        if p.is_partial() and p.reduce_op not in ("sum", "avg"):
+            raise ValueError(
+                f"gradient leaf {path} has placement {p}; only Partial('sum') and Partial('avg') grads can be "
+                "reduced for a norm"
+            )
+    return leaf.redistribute(leaf.device_mesh, [Replicate() if p.is_partial() else p for p in placements])

@@ -1,4 +1,4 @@
-"""Scaling: the clip coefficient and its branch-free application to every shard."""
+"""Scaling: the clip coefficient, the non-finite policy, and branch-free application to every shard."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from collections import defaultdict
 import torch
 
 __all__: list[str] = []
+
+NONFINITE_POLICIES = ("propagate", "zero", "error")
 
 
 def clip_coefficient(max_norm: float | torch.Tensor, total_norm: torch.Tensor, eps: float) -> torch.Tensor:
@@ -19,12 +21,60 @@ def clip_coefficient(max_norm: float | torch.Tensor, total_norm: torch.Tensor, e
     return torch.clamp(max_norm / (total_norm + eps), max=1.0)
 
 
-def scale(tensors: list[torch.Tensor], coef: torch.Tensor, *, inplace: bool) -> list[torch.Tensor]:
+def check_finite(total_norm: torch.Tensor, norm_type: float | None, nonfinite: str) -> torch.Tensor | None:
+    """Applies the ``nonfinite`` policy to the total norm before any gradient is scaled.
+
+    Returns:
+        ``None`` for ``"propagate"`` and ``"error"`` (gradients are scaled as
+        computed); for ``"zero"``, a 0-dim bool tensor that is ``True`` where
+        the norm is finite: the gradients are kept (scaled) where it is and
+        zeroed where it is not, with ``torch.where``, on the device.
+
+    Raises:
+        ValueError: ``nonfinite`` is not one of the policies.
+        RuntimeError: ``nonfinite="error"`` and the norm is not finite. Every
+            rank holds the same bits of the norm, so every rank raises. The
+            check reads the norm on the host (a sync); under
+            ``torch.compile`` it fails at trace time instead.
+    """
+    if nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
+    if nonfinite == "zero":
+        return torch.isfinite(total_norm)
+    if nonfinite == "error":
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                "nonfinite='error' needs the norm on the host (a device sync), which a compiled graph cannot "
+                "do without a graph break; use nonfinite='zero' under torch.compile"
+            )
+        if not bool(torch.isfinite(total_norm)):
+            what = f"norm_type={norm_type}" if norm_type is not None else "the given total_norm"
+            raise RuntimeError(
+                f"the global gradient norm is non-finite ({float(total_norm)}, {what}); "
+                "no gradient was scaled (nonfinite='error')"
+            )
+    return None
+
+
+def scale(
+    tensors: list[torch.Tensor], coef: torch.Tensor, *, inplace: bool, keep: torch.Tensor | None = None
+) -> list[torch.Tensor]:
     """Multiplies every tensor by ``coef``, one foreach call per (device, dtype).
 
-    Returns the scaled tensors in input order (the inputs themselves when
-    ``inplace``). The result keeps each tensor's dtype: the product is
-    computed in the higher precision of the pair and rounded once.
+    Args:
+        tensors: The local shards to scale.
+        coef: The 0-dim clip coefficient.
+        inplace: Scale the tensors themselves instead of returning new ones.
+        keep: Optional 0-dim bool tensor; where ``False`` every result is
+            zero (``nonfinite="zero"``). ``coef * inf`` would be ``nan``, so
+            this is a ``where``, not a zero coefficient: one more pass over
+            the gradients in eager mode, fused with the multiply under
+            ``torch.compile``.
+
+    Returns:
+        The scaled tensors in input order (the inputs themselves when
+        ``inplace``). Each keeps its dtype: the product is computed in the
+        higher precision of the pair and rounded once.
     """
     buckets: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
     for i, t in enumerate(tensors):
@@ -33,10 +83,16 @@ def scale(tensors: list[torch.Tensor], coef: torch.Tensor, *, inplace: bool) -> 
     for (device, _), idx in buckets.items():
         group = [tensors[i] for i in idx]
         c = coef.to(device)
+        k = None if keep is None else keep.to(device)
         if inplace:
             torch._foreach_mul_(group, c)
+            if k is not None:
+                for t in group:
+                    t.masked_fill_(~k, 0.0)
         else:
             for i, t in zip(idx, torch._foreach_mul(group, c)):
+                if k is not None:
+                    t = torch.where(k, t, 0.0)
                 # A 0-dim grad times the 0-dim fp32 coefficient promotes to fp32.
                 out[i] = t if t.dtype == tensors[i].dtype else t.to(tensors[i].dtype)
     return out
