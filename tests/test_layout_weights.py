@@ -6,7 +6,10 @@ shard is cut from the full tensor by torch's own DTensor placement splitters
 (``Shard``/``_StridedShard._split_tensor``, uneven shards included), weighed
 by ``1 / replica_count`` exactly as the clip weighs it, and the weighted sum
 over all ranks must equal the full tensor's sum once per distinct copy of
-the parameter in the model.
+the parameter in the model (once in all, for a parameter tied across
+stages). Max and min norms are checked too: the extremum over all ranks'
+shards is the full tensor's. Hypothesis prints the failing layout and the
+blob to reproduce it.
 """
 
 from __future__ import annotations
@@ -55,8 +58,20 @@ def layouts(draw):
                 factor = math.prod(shape[leaf_dims[j]] for j in later)
                 placements[i] = _StridedShard(p.dim, split_factor=factor)
                 break
+    # Tied: the parameter sits on the first `tied` pipeline stages only (its grads
+    # summed across them), declared as held by that many stages.
+    n_stages = math.prod(shape[d] for d in pp_dims)
+    spans_pp = any(d in pp_dims for d in leaf_dims)
+    tied = 1 if spans_pp else draw(st.integers(1, n_stages))
     seed = draw(st.integers(0, 2**32 - 1))
-    return shape, pp_dims, leaf_dims, tshape, tuple(placements), seed
+    return shape, pp_dims, leaf_dims, tshape, tuple(placements), tied, seed
+
+
+def _rank_at(table, coord):
+    r = table
+    for v in coord:
+        r = r[v]
+    return r
 
 
 def _local_shard(full, leaf_shape, coord, placements):
@@ -68,10 +83,10 @@ def _local_shard(full, leaf_shape, coord, placements):
     return local
 
 
-@settings(max_examples=300, deadline=None)
-@given(layout=layouts(), norm_p=st.sampled_from([2.0, 1.0, 3.5, 0.0]))
+@settings(max_examples=500, deadline=None, print_blob=True)
+@given(layout=layouts(), norm_p=st.sampled_from([2.0, 1.0, 3.5, 0.0, math.inf, -math.inf]))
 def test_weighted_sum_over_all_ranks_counts_each_element_once(layout, norm_p):
-    shape, pp_dims, leaf_dims, tshape, placements, seed = layout
+    shape, pp_dims, leaf_dims, tshape, placements, tied, seed = layout
     n = math.prod(shape)
     rng = random.Random(seed)
     ranks = list(range(n))
@@ -82,34 +97,45 @@ def test_weighted_sum_over_all_ranks_counts_each_element_once(layout, norm_p):
     full[full.abs() < 0.2] = 0.0
 
     def stat(x):
+        if math.isinf(norm_p):  # max/min need no weights: replicas repeat values
+            return float(x.abs().max() if norm_p > 0 else x.abs().min()) if x.numel() else None
         return float((x != 0).sum()) if norm_p == 0 else float(x.abs().pow(norm_p).sum())
 
     leaf_shape = tuple(shape[d] for d in leaf_dims)
     weighted = 0.0
+    extrema = []
     holders = None
+    stages = sorted(set(world.rank_stage.values()))
     for coord in _coords(shape):
+        if tied > 1 and world.rank_stage[_rank_at(table, coord)] not in stages[:tied]:
+            continue  # a stage that does not hold the tied parameter
         # This rank's leaf mesh: the ranks that share its coordinates off the leaf's dims.
         members = []
         for sub in _coords(leaf_shape):
             c = list(coord)
             for d, v in zip(leaf_dims, sub):
                 c[d] = v
-            r = table
-            for v in c:
-                r = r[v]
-            members.append(r)
+            members.append(_rank_at(table, c))
         if leaf_dims:
             copies = replica_count(world, members, leaf_shape, placements, "['w']")
             local = _local_shard(full, leaf_shape, tuple(coord[d] for d in leaf_dims), placements)
         else:  # a plain tensor: replicated over the rank's pipeline stage
             copies = world.stage_size
             local = full
-        weighted += stat(local) / copies
+        if math.isinf(norm_p):
+            extrema.append(stat(local))
+            continue
+        weighted += stat(local) / (copies * tied)
         n_stages_spanned = len({world.rank_stage[r] for r in members}) if leaf_dims else 1
         holders = world.stage_size * n_stages_spanned
-    distinct_copies_of_parameter = n // holders
+    layout_str = f"mesh {shape}, pp dims {pp_dims}, leaf dims {leaf_dims}, {placements}, tied {tied}, tensor {tshape}"
+    if math.isinf(norm_p):
+        pick = max if norm_p > 0 else min
+        assert pick(e for e in extrema if e is not None) == stat(full), layout_str
+        return
+    distinct_copies_of_parameter = 1 if tied > 1 else n // holders
     expected = distinct_copies_of_parameter * stat(full)
-    assert weighted == pytest.approx(expected, rel=1e-12, abs=1e-12), (shape, pp_dims, leaf_dims, placements)
+    assert weighted == pytest.approx(expected, rel=1e-12, abs=1e-12), layout_str
 
 
 def test_fsdp_tp_example_by_hand():

@@ -214,3 +214,15 @@ def test_named_parameters_dict_is_accepted():
     model.bias.grad = torch.ones(2)
     total = clip_grad_norm_(dict(model.named_parameters()), None, 100.0)
     assert float(total) == pytest.approx(math.sqrt(8.0))
+
+
+@pytest.mark.parametrize("norm_type", NORM_TYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_large_leaves_are_chunked_without_changing_the_norm(norm_type, dtype):
+    g = torch.Generator().manual_seed(7)
+    big = torch.randn(3 * 4096 + 1234, generator=g, dtype=torch.float64)
+    big[::5] = 0.0  # zeros for the 0-"norm"
+    exact_rows = torch.randn(2, 4096, generator=g, dtype=torch.float64)
+    transposed = torch.randn(300, 400, generator=g, dtype=torch.float64).t()  # not contiguous: one chunk
+    grads = [t.to(dtype) for t in (big, exact_rows, transposed)] + [torch.randn(3, generator=g).to(dtype)]
+    assert_close_rel(float(global_grad_norm(grads, None, norm_type)), reference_norm(grads, norm_type), 1e-6)
