@@ -1,0 +1,86 @@
+"""On real ranks: bad input fails everywhere before the collective, non-finite norms are one decision.
+
+Four gloo ranks, mesh ("pp", "dp") = (2, 2). After every expected failure
+the ranks run a good clip together: had any rank been left inside an
+all-reduce that the others skipped, that clip would hang (and the harness
+would kill it and name the rank).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from ppclip_func import clip_grad_norm, clip_grad_norm_
+from tests._collectives import CollectiveCounter, norm_bits
+from tests._harness import run_ranks
+from tests._reference import assert_close_rel
+
+
+def _all_equal(x) -> bool:
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, x)
+    return len(set(out)) == 1
+
+
+def _good_clip_still_works(mesh) -> None:
+    grads = {"w": distribute_tensor(torch.ones(4, 2), mesh["dp"], [Shard(0)])}
+    _, total = clip_grad_norm(grads, mesh, 1.0)
+    assert float(total) == pytest.approx(math.sqrt(16.0)), float(total)  # 8 ones per stage, 2 stages
+
+
+def _worker(rank: int, world_size: int) -> list[str]:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    stage = mesh.get_coordinate()[0]
+    done = []
+
+    # Bad input on every rank: raised before any collective, the same everywhere.
+    bad = {"w": distribute_tensor(torch.ones(4, 2), mesh["dp"], [Shard(0)]), "step": torch.ones(1, dtype=torch.int32)}
+    with CollectiveCounter() as counter, pytest.raises(TypeError, match=r"leaf \['step'\] has dtype torch.int32"):
+        clip_grad_norm(bad, mesh, 1.0)
+    assert counter.count == 0
+    _good_clip_still_works(mesh)
+    done.append("bad input")
+
+    # One rank's gradient overflows to inf: every rank sees the same non-finite norm.
+    def grads_with_inf():
+        g = torch.ones(4, 2)
+        if rank == 2:
+            g[0, 0] = math.inf
+        # Each rank passes its own local shard: the inf is on rank 2 only.
+        return {"w": DTensor.from_local(g[:2], mesh["dp"], [Shard(0)], run_check=False)}
+
+    for norm_type in (2.0, 1.0, math.inf):
+        clipped, total = clip_grad_norm(grads_with_inf(), mesh, 1.0, norm_type, nonfinite="zero")
+        assert math.isinf(float(total)) and _all_equal(norm_bits(total))
+        assert torch.equal(clipped["w"].to_local(), torch.zeros(2, 2)), "every rank zeroes its grads"
+
+        params = {"w": torch.nn.Parameter(torch.zeros(4, 2))}
+        params["w"].grad = grads_with_inf()["w"]
+        total_ = clip_grad_norm_(params, mesh, 1.0, norm_type, nonfinite="zero")
+        assert norm_bits(total_) == norm_bits(total)
+        assert torch.equal(params["w"].grad.to_local(), torch.zeros(2, 2))
+
+        with pytest.raises(RuntimeError, match=rf"non-finite \(inf, norm_type={norm_type}\)"):
+            clip_grad_norm(grads_with_inf(), mesh, 1.0, norm_type, nonfinite="error")
+        _good_clip_still_works(mesh)
+    done.append("nonfinite")
+
+    # Overflow-safe across ranks: 1e20 everywhere, finite and identical.
+    big = {"w": distribute_tensor(torch.full((4096, 2), 1e20 * (1 + stage)), mesh["dp"], [Shard(0)])}
+    _, total = clip_grad_norm(big, mesh, 1.0, overflow_safe=True)
+    expected = math.sqrt(8192 * (1e20**2) * (1 + 4))
+    assert_close_rel(float(total), expected, 1e-6)
+    assert _all_equal(norm_bits(total))
+    done.append("overflow")
+    return done
+
+
+def test_failures_are_collective_decisions():
+    results = run_ranks(_worker, 4, timeout=180)
+    assert results == [["bad input", "nonfinite", "overflow"]] * 4
