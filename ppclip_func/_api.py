@@ -290,7 +290,10 @@ def clip_grad_norm_(
         parameters = [parameters]
     elif not isinstance(parameters, (list, tuple, dict)) and isinstance(parameters, Iterable):
         parameters = list(parameters)
-    grads = pytree.tree_map(_grad_of, parameters)
+    if isinstance(parameters, list):  # the common case, without tree_map's per-leaf overhead
+        grads = [_grad_of(p) for p in parameters]
+    else:
+        grads = pytree.tree_map(_grad_of, parameters)
     leaves = flatten_grads(grads, what="parameter grad")
     opts = _NormOptions(pp_dim, groups, tied, partial, overflow_safe)
     total, group_norms = _measure(leaves, mesh, kind, opts)
@@ -318,18 +321,21 @@ def _measure(
     check_tied(opts.tied)
     pp = pipeline_dims(mesh, opts.pp_dim)
 
+    paths = leaves.paths() if (opts.groups or opts.tied) else None
     tensors, locals_ = list(leaves.tensors), list(leaves.locals)
     if opts.partial == "reduce":
-        for i, (t, path) in enumerate(zip(tensors, leaves.paths)):
+        for i, t in enumerate(tensors):
             if isinstance(t, DTensor) and any(p.is_partial() for p in t.placements):
-                tensors[i] = reduce_partial(t, path)
+                tensors[i] = _for_leaf(leaves, i, reduce_partial, t)
                 locals_[i] = tensors[i].to_local()
-
     world = resolve_world(mesh, pp, [t.device_mesh for t in tensors if isinstance(t, DTensor)])
-    weights = [1.0 / (copies(world, t, path) * tied_stages(path, opts.tied)) for t, path in zip(tensors, leaves.paths)]
+    weights = [
+        1.0 / (_for_leaf(leaves, i, copies, world, t) * (tied_stages(paths[i], opts.tied) if paths else 1))
+        for i, t in enumerate(tensors)
+    ]
     # Leaves in no group form one more group, so the total covers every leaf.
     n = len(labels) + 1
-    group_of = [group_index(path, opts.groups) for path in leaves.paths]
+    group_of = [group_index(path, opts.groups) for path in paths] if opts.groups else [0] * len(tensors)
     device = locals_[0].device if locals_ else _mesh_device(world.mesh)
     stats = local_statistics(locals_, weights, group_of, n, kind, device, overflow_safe=opts.overflow_safe)
     reduced = all_reduce_statistics(stats, kind.op, world.group_name)
@@ -346,6 +352,14 @@ def _measure(
     out_dtype = torch.float64 if any(t.dtype == torch.float64 for t in locals_) else torch.float32
     group_norms = {label: per_group[i].to(out_dtype) for i, label in enumerate(labels)}
     return total.to(out_dtype), group_norms
+
+
+def _for_leaf(leaves: Leaves, i: int, fn: Any, *args: Any) -> Any:
+    """Calls ``fn(*args)`` about leaf ``i``; a ``ValueError`` it raises is re-raised naming the leaf."""
+    try:
+        return fn(*args)
+    except ValueError as e:
+        raise ValueError(f"gradient leaf {leaves.paths()[i]} {e}") from None
 
 
 def _apply(
@@ -386,7 +400,7 @@ def _check_clip_args(max_norm: float | torch.Tensor, eps: float, nonfinite: str)
             raise ValueError(f"max_norm must be a number or a 0-dim tensor, got shape {tuple(max_norm.shape)}")
     elif isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
         raise TypeError(f"max_norm must be a number or a 0-dim tensor, got {type(max_norm).__name__}")
-    elif math.isnan(max_norm) or max_norm < 0:
+    elif not max_norm >= 0:  # NaN too; math.isnan fails on the symbolic float torch.compile may pass
         raise ValueError(f"max_norm must be >= 0, got {max_norm}")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or math.isnan(eps) or eps < 0:
         raise ValueError(f"eps must be a number >= 0, got {eps!r}")

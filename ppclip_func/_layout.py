@@ -107,6 +107,10 @@ def resolve_world(mesh: DeviceMesh | None, pp_dims: tuple[int, ...], leaf_meshes
     return _WORLDS[key]
 
 
+# Under torch.compile, dynamo would trace the rank table (``mesh.mesh.tolist()``)
+# as data-dependent reads of a tensor; these read static mesh facts only, so they
+# run eagerly at trace time and their results enter the graph as constants.
+@torch.compiler.assume_constant_result
 def _make_world(mesh: DeviceMesh, pp_dims: tuple[int, ...]) -> World:
     if mesh.get_coordinate() is None:
         raise ValueError(f"this rank ({dist.get_rank()}) is not part of the mesh {mesh}")
@@ -146,11 +150,18 @@ def _group_name(mesh: DeviceMesh) -> str | None:
     return mesh._flatten().get_group().group_name
 
 
+_MESH_RANKS: dict[DeviceMesh, list[int]] = {}
+
+
+@torch.compiler.assume_constant_result
 def _mesh_ranks(mesh: DeviceMesh) -> list[int]:
-    return mesh.mesh.flatten().tolist()
+    # Cached: reading ``mesh.mesh`` builds a tensor, per leaf and per step otherwise.
+    if mesh not in _MESH_RANKS:
+        _MESH_RANKS[mesh] = mesh.mesh.flatten().tolist()
+    return _MESH_RANKS[mesh]
 
 
-def copies(world: World, leaf: torch.Tensor, path: str) -> int:
+def copies(world: World, leaf: torch.Tensor) -> int:
     """Returns how many ranks of the world hold each element of ``leaf``.
 
     Raises:
@@ -159,12 +170,10 @@ def copies(world: World, leaf: torch.Tensor, path: str) -> int:
     if not isinstance(leaf, DTensor):
         return world.stage_size
     mesh = leaf.device_mesh
-    return replica_count(world, _mesh_ranks(mesh), tuple(mesh.shape), tuple(leaf.placements), path)
+    return replica_count(world, _mesh_ranks(mesh), tuple(mesh.shape), tuple(leaf.placements))
 
 
-def replica_count(
-    world: World, ranks: Sequence[int], shape: tuple[int, ...], placements: Sequence[Placement], path: str
-) -> int:
+def replica_count(world: World, ranks: Sequence[int], shape: tuple[int, ...], placements: Sequence[Placement]) -> int:
     """Returns how many ranks hold each element of a DTensor on the mesh ``ranks`` of ``shape``.
 
     The leaf's own mesh holds ``prod(Replicate dim sizes)`` copies of each
@@ -175,23 +184,23 @@ def replica_count(
     Raises:
         ValueError: The leaf's mesh has ranks outside the world mesh, the
             layout does not tile the world, or a placement is ``Partial``.
+            The message reads on after the leaf's name ("gradient leaf
+            ['w'] ..."), which the caller puts in front.
     """
     for p in placements:
         if p.is_partial():
             raise ValueError(
-                f"gradient leaf {path} has a Partial placement {p}: its local values are not its "
-                "elements, so their norm is not the gradient's; redistribute it to Shard/Replicate first"
+                f"has a Partial placement {p}: its local values are not its elements, so their norm is not "
+                "the gradient's; pass partial='reduce' or redistribute it to Shard/Replicate first"
             )
     foreign = [r for r in ranks if r not in world.rank_stage]
     if foreign:
-        raise ValueError(
-            f"gradient leaf {path} lives on a mesh whose ranks {foreign} are not in the world mesh {world.mesh}"
-        )
-    replicas = math.prod(n for n, p in zip(shape, placements) if p.is_replicate())
+        raise ValueError(f"lives on a mesh whose ranks {foreign} are not in the world mesh {world.mesh}")
+    replicas = math.prod([n for n, p in zip(shape, placements) if p.is_replicate()])  # dynamo: no genexpr
     holders = world.stage_size * len({world.rank_stage[r] for r in ranks})
     if holders % len(ranks):
         raise ValueError(
-            f"gradient leaf {path} lives on a mesh of {len(ranks)} ranks, which does not tile the "
+            f"lives on a mesh of {len(ranks)} ranks, which does not tile the "
             f"{holders} ranks of its pipeline stage(s); the layout is not SPMD over the world mesh"
         )
     return holders // len(ranks) * replicas

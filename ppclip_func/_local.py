@@ -28,13 +28,15 @@ STAT_DTYPE = torch.float64
 CHUNK = 1 << 12
 
 
-def leaf_norms(tensors: list[torch.Tensor], kind: NormKind, *, overflow_safe: bool = False) -> list[torch.Tensor]:
-    """Returns, for each tensor, a 1-D tensor of ``vector_norm``s of its chunks, in fp32 or fp64.
+def leaf_norms(tensors: list[torch.Tensor], kind: NormKind, *, overflow_safe: bool = False) -> list[list[torch.Tensor]]:
+    """Returns, for each tensor, the ``vector_norm``s of its chunks, in fp32 or fp64.
 
     Each tensor's chunks partition its elements, so its norm statistic is the
     sum (max, min) of its chunks' statistics. A dense tensor (contiguous up to
     a permutation of dims) of more than ``CHUNK`` elements is split into rows
-    of ``CHUNK`` plus a remainder; others (e.g. a strided slice) are one chunk. With ``overflow_safe``, every leaf accumulates in
+    of ``CHUNK`` (one 1-D tensor of row norms) plus a remainder (a 0-dim
+    norm); others (e.g. a strided slice) are one chunk, a 0-dim norm from a
+    foreach call. With ``overflow_safe``, every leaf accumulates in
     float64: an fp32 leaf whose sum of squares passes 3.4e38 (elements around
     1e19 and up) then still has a finite norm. It is off by default because
     torch's eager float64 accumulation is much slower than float32 on CPU.
@@ -42,22 +44,23 @@ def leaf_norms(tensors: list[torch.Tensor], kind: NormKind, *, overflow_safe: bo
     pieces: list[list[torch.Tensor]] = [[] for _ in tensors]
     whole: dict[tuple[torch.device, torch.dtype], list[tuple[int, torch.Tensor]]] = defaultdict(list)
     for i, t in enumerate(tensors):
-        acc = _acc_dtype(t.dtype, overflow_safe)
-        t = _dense_view(t)
-        rows = t.numel() // CHUNK if t.is_contiguous() else 0
-        if rows:
-            flat = t.view(-1)
-            body = flat[: rows * CHUNK].view(rows, CHUNK)
-            pieces[i].append(torch.linalg.vector_norm(body, kind.p, dim=1, dtype=acc))
-            t = flat[rows * CHUNK :]
-            if t.numel() == 0:
-                continue
+        if t.numel() > CHUNK:
+            t = _dense_view(t)
+            rows = t.numel() // CHUNK if t.is_contiguous() else 0
+            if rows:
+                flat = t.view(-1)
+                body = flat[: rows * CHUNK].view(rows, CHUNK)
+                acc = _acc_dtype(t.dtype, overflow_safe)
+                pieces[i].append(torch.linalg.vector_norm(body, kind.p, dim=1, dtype=acc))
+                t = flat[rows * CHUNK :]
+                if t.numel() == 0:
+                    continue
         whole[(t.device, t.dtype)].append((i, t))
     for (_, dtype), items in whole.items():
         norms = torch._foreach_norm([t for _, t in items], kind.p, dtype=_acc_dtype(dtype, overflow_safe))
         for (i, _), n in zip(items, norms):
-            pieces[i].append(n.reshape(1))
-    return [p[0] if len(p) == 1 else torch.cat(p) for p in pieces]
+            pieces[i].append(n)
+    return pieces
 
 
 def _dense_view(t: torch.Tensor) -> torch.Tensor:
@@ -111,14 +114,19 @@ def local_statistics(
     live = [i for i, t in enumerate(tensors) if t.numel() > 0]
     norms = leaf_norms([tensors[i] for i in live], kind, overflow_safe=overflow_safe)
 
-    # Bucket leaves by (group, weight): one stack and one reduction per bucket.
-    buckets: dict[tuple[int, float], list[torch.Tensor]] = defaultdict(list)
-    for i, n in zip(live, norms):
+    # Bucket chunk norms by (group, weight): one stack/cat and one reduction per bucket.
+    buckets: dict[tuple[int, float], tuple[list[torch.Tensor], list[torch.Tensor]]] = defaultdict(lambda: ([], []))
+    for i, pieces in zip(live, norms):
         weight = weights[i] if kind.op == "sum" else 1.0
-        buckets[(groups[i], weight)].append(n)
+        scalars, rows = buckets[(groups[i], weight)]
+        for n in pieces:
+            (rows if n.dim() else scalars).append(n)
     per_group: dict[int, list[torch.Tensor]] = defaultdict(list)
-    for (g, weight), ns in buckets.items():
-        stats = kind.power(torch.cat(ns).to(STAT_DTYPE))
+    for (g, weight), (scalars, rows) in buckets.items():
+        parts = [r.to(STAT_DTYPE) for r in rows]
+        if scalars:
+            parts.append(torch.stack(scalars).to(STAT_DTYPE))
+        stats = kind.power(parts[0] if len(parts) == 1 else torch.cat(parts))
         if kind.op == "sum":
             per_group[g].append(stats.sum() * weight)
         elif kind.op == "max":

@@ -42,7 +42,7 @@ def all_reduce_statistics(stats: torch.Tensor, op: str, group_name: str | None) 
     return funcol.all_reduce(stats, op, group_name)
 
 
-def reduce_partial(leaf: DTensor, path: str) -> DTensor:
+def reduce_partial(leaf: DTensor) -> DTensor:
     """Returns ``leaf`` with each ``Partial`` mesh dim reduced to ``Replicate``.
 
     This is the one documented exception to the single collective: a
@@ -54,13 +54,13 @@ def reduce_partial(leaf: DTensor, path: str) -> DTensor:
 
     Raises:
         ValueError: A ``Partial`` reduce op other than ``sum`` or ``avg``
-            (a ``max``/``min`` partial has no norm-preserving reduction here).
+            (a ``max``/``min`` partial has no norm-preserving reduction here);
+            the message reads on after the leaf's name.
     """
     placements = tuple(leaf.placements)
     for p in placements:
         if p.is_partial() and p.reduce_op not in ("sum", "avg"):
             raise ValueError(
-                f"gradient leaf {path} has placement {p}; only Partial('sum') and Partial('avg') grads can be "
-                "reduced for a norm"
+                f"has placement {p}; only Partial('sum') and Partial('avg') grads can be reduced for a norm"
             )
     return leaf.redistribute(leaf.device_mesh, [Replicate() if p.is_partial() else p for p in placements])

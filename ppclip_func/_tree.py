@@ -23,20 +23,29 @@ class Leaves:
     """The tensor leaves of a gradient pytree, in flattening order.
 
     Attributes:
+        tree: The pytree itself.
         flat: Every leaf of the tree (``None`` included), for unflattening.
         spec: The tree structure.
         index: Position in ``flat`` of each tensor leaf.
-        paths: Pytree path of each tensor leaf, as ``keystr`` prints it.
         tensors: The tensor leaves (``torch.Tensor`` or ``DTensor``).
         locals: The local shard of each leaf (the leaf itself for plain tensors).
     """
 
+    tree: Any
     flat: list[Any]
     spec: pytree.TreeSpec
     index: list[int]
-    paths: list[str]
     tensors: list[torch.Tensor]
     locals: list[torch.Tensor]
+
+    def paths(self) -> list[str]:
+        """Returns the pytree path of each tensor leaf, as ``keystr`` prints it.
+
+        Computed on demand (for ``groups``/``tied`` and error messages): key
+        paths cost more than the flattening itself on a tree of many leaves.
+        """
+        every = _paths(self.tree)
+        return [every[i] for i in self.index]
 
     def unflatten(self, new_tensors: list[torch.Tensor]) -> Any:
         """Returns the tree with each tensor leaf replaced by ``new_tensors[i]``."""
@@ -54,27 +63,32 @@ def flatten_grads(grads: Any, what: str = "gradient") -> Leaves:
             floating-point tensor.
         ValueError: Leaves sit on different devices.
     """
-    with_path, spec = pytree.tree_flatten_with_path(grads)
-    flat = [leaf for _, leaf in with_path]
-    index, paths, tensors, locals_ = [], [], [], []
-    for i, (path, leaf) in enumerate(with_path):
+    flat, spec = pytree.tree_flatten(grads)
+    index, tensors, locals_ = [], [], []
+    for i, leaf in enumerate(flat):
         if leaf is None:
             continue
-        name = pytree.keystr(path) or "<root>"
         if not isinstance(leaf, torch.Tensor):
+            name = _paths(grads)[i]
             raise TypeError(f"{what} leaf {name} must be a torch.Tensor, a DTensor or None, got {type(leaf).__name__}")
         if not leaf.is_floating_point():
+            name = _paths(grads)[i]
             raise TypeError(
                 f"{what} leaf {name} has dtype {leaf.dtype}; only real floating-point gradients have a norm here"
             )
         local = leaf.to_local() if isinstance(leaf, DTensor) else leaf
         if locals_ and local.device != locals_[0].device:
+            paths = _paths(grads)
             raise ValueError(
-                f"{what} leaves {paths[0]} and {name} are on different devices "
+                f"{what} leaves {paths[index[0]]} and {paths[i]} are on different devices "
                 f"({locals_[0].device} and {local.device}); a clip works on one device per rank"
             )
         index.append(i)
-        paths.append(name)
         tensors.append(leaf)
         locals_.append(local)
-    return Leaves(flat=flat, spec=spec, index=index, paths=paths, tensors=tensors, locals=locals_)
+    return Leaves(tree=grads, flat=flat, spec=spec, index=index, tensors=tensors, locals=locals_)
+
+
+def _paths(tree: Any) -> list[str]:
+    """Returns the ``keystr`` path of every leaf of ``tree`` (``<root>`` for a bare leaf)."""
+    return [pytree.keystr(path) or "<root>" for path, _ in pytree.tree_flatten_with_path(tree)[0]]

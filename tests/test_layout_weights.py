@@ -117,7 +117,7 @@ def test_weighted_sum_over_all_ranks_counts_each_element_once(layout, norm_p):
                 c[d] = v
             members.append(_rank_at(table, c))
         if leaf_dims:
-            copies = replica_count(world, members, leaf_shape, placements, "['w']")
+            copies = replica_count(world, members, leaf_shape, placements)
             local = _local_shard(full, leaf_shape, tuple(coord[d] for d in leaf_dims), placements)
         else:  # a plain tensor: replicated over the rank's pipeline stage
             copies = world.stage_size
@@ -142,20 +142,20 @@ def test_fsdp_tp_example_by_hand():
     # World (pp=2, dp=2, tp=2); a weight sharded on dp (strided) and tp: one copy per stage.
     world = world_from_table(None, torch.arange(8).reshape(2, 2, 2).tolist(), (2, 2, 2), (0,), None)
     assert world.stage_size == 4
-    assert replica_count(world, [0, 1, 2, 3], (2, 2), (_StridedShard(0, split_factor=2), Shard(0)), "w") == 1
+    assert replica_count(world, [0, 1, 2, 3], (2, 2), (_StridedShard(0, split_factor=2), Shard(0))) == 1
     # A norm weight replicated over tp, sharded over dp: 2 copies.
-    assert replica_count(world, [4, 5, 6, 7], (2, 2), (Shard(0), Replicate()), "w") == 2
+    assert replica_count(world, [4, 5, 6, 7], (2, 2), (Shard(0), Replicate())) == 2
     # An FSDP-only leaf on the dp submesh (implicitly replicated over tp): 2 copies.
-    assert replica_count(world, [0, 2], (2,), (Shard(0),), "w") == 2
+    assert replica_count(world, [0, 2], (2,), (Shard(0),)) == 2
 
 
 def test_partial_placement_is_a_clear_error():
     world = world_from_table(None, [[0, 1]], (1, 2), (), None)
-    with pytest.raises(ValueError, match=r"\['layers'\]\[0\].*Partial"):
-        replica_count(world, [0, 1], (2,), (Partial("sum"),), "['layers'][0]")
+    with pytest.raises(ValueError, match=r"has a Partial placement .*partial='reduce'"):
+        replica_count(world, [0, 1], (2,), (Partial("sum"),))
 
 
 def test_foreign_mesh_is_a_clear_error():
     world = world_from_table(None, [[0, 1]], (1, 2), (), None)
-    with pytest.raises(ValueError, match=r"\['emb'\].*\[5\].*not in the world mesh"):
-        replica_count(world, [1, 5], (2,), (Shard(0),), "['emb']")
+    with pytest.raises(ValueError, match=r"ranks \[5\] are not in the world mesh"):
+        replica_count(world, [1, 5], (2,), (Shard(0),))
