@@ -8,12 +8,13 @@ from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from ._layout import copies, pipeline_dims, resolve_world
-from ._local import local_statistics
+from ._local import STAT_DTYPE, local_statistics
 from ._norms import NormKind, norm_kind
 from ._paths import GroupSpec, TiedSpec, check_groups, check_tied, group_index, tied_stages
 from ._reduce import all_reduce_statistics, reduce_partial
@@ -109,7 +110,7 @@ def global_grad_norm(
     """
     kind = norm_kind(norm_type)
     opts = _NormOptions(pp_dim, groups, tied, partial, overflow_safe)
-    total, group_norms = _measure(flatten_grads(grads), mesh, kind, opts)
+    _, total, group_norms = _measure(grads, "gradient", mesh, kind, opts)
     return total if groups is None else (total, group_norms)
 
 
@@ -219,9 +220,8 @@ def clip_grad_norm(
     """
     _check_clip_args(max_norm, eps, nonfinite)
     kind = norm_kind(norm_type)
-    leaves = flatten_grads(grads)
     opts = _NormOptions(pp_dim, groups, tied, partial, overflow_safe)
-    total, group_norms = _measure(leaves, mesh, kind, opts)
+    leaves, total, group_norms = _measure(grads, "gradient", mesh, kind, opts)
     scaled = _apply(leaves.locals, max_norm, total, eps, nonfinite, kind.p, inplace=False)
     clipped = leaves.unflatten(_rewrap(leaves, scaled))
     return (clipped, total) if groups is None else (clipped, total, group_norms)
@@ -294,9 +294,8 @@ def clip_grad_norm_(
         grads = [_grad_of(p) for p in parameters]
     else:
         grads = pytree.tree_map(_grad_of, parameters)
-    leaves = flatten_grads(grads, what="parameter grad")
     opts = _NormOptions(pp_dim, groups, tied, partial, overflow_safe)
-    total, group_norms = _measure(leaves, mesh, kind, opts)
+    leaves, total, group_norms = _measure(grads, "parameter grad", mesh, kind, opts)
     _apply(leaves.locals, max_norm, total, eps, nonfinite, kind.p, inplace=True)
     return total if groups is None else (total, group_norms)
 
@@ -310,6 +309,48 @@ def _grad_of(p: Any) -> torch.Tensor | None:
 
 
 def _measure(
+    grads: Any, what: str, mesh: DeviceMesh | None, kind: NormKind, opts: _NormOptions
+) -> tuple[Leaves, torch.Tensor, GroupNorms]:
+    """Flattens ``grads`` and returns the leaves, the total norm and each group's norm.
+
+    Exactly one statistics collective is issued, on every rank of the world,
+    whether or not this rank's input is valid: a rank that finds a bad leaf
+    (a check that depends on its own data, such as a ``Partial`` grad on one
+    pipeline stage only) first joins the collective with poisoned statistics,
+    then raises. Its peers never wait for it; they get a non-finite norm.
+    """
+    try:
+        leaves = flatten_grads(grads, what)
+        return (leaves, *_measure_leaves(leaves, mesh, kind, opts))
+    except (TypeError, ValueError):
+        _release_peers(mesh, kind, opts)
+        raise
+
+
+def _release_peers(mesh: DeviceMesh | None, kind: NormKind, opts: _NormOptions) -> None:
+    """Joins the statistics all-reduce with values that make the result non-finite on every rank.
+
+    Does nothing when there is no collective to join (no mesh, or the mesh,
+    ``pp_dim`` or ``groups`` arguments are themselves invalid: every rank then
+    raises the same error without a collective), or while tracing.
+    """
+    if not isinstance(mesh, DeviceMesh) or torch.compiler.is_compiling():
+        return
+    try:
+        world = resolve_world(mesh, pipeline_dims(mesh, opts.pp_dim), [])
+        n = len(check_groups(opts.groups)) + 1
+    except (TypeError, ValueError):
+        return
+    if world.group_name is None:
+        return
+    # NaN survives any order of additions; max/min need their absorbing infinity.
+    poison = {"sum": math.nan, "max": math.inf, "min": -math.inf}[kind.op]
+    width = 2 * n if kind.op == "min" else n
+    stats = torch.full((width,), poison, dtype=STAT_DTYPE, device=_mesh_device(mesh))
+    funcol.wait_tensor(all_reduce_statistics(stats, kind.op, world.group_name))
+
+
+def _measure_leaves(
     leaves: Leaves, mesh: DeviceMesh | None, kind: NormKind, opts: _NormOptions
 ) -> tuple[torch.Tensor, GroupNorms]:
     """Returns the total norm and each group's norm, with exactly one statistics collective."""

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 
 from ppclip_func import clip_grad_norm, clip_grad_norm_
 from tests._collectives import CollectiveCounter, norm_bits
@@ -39,13 +39,26 @@ def _worker(rank: int, world_size: int) -> list[str]:
     stage = mesh.get_coordinate()[0]
     done = []
 
-    # Bad input on every rank: raised before any collective, the same everywhere.
+    # Bad input on every rank: the same error everywhere; each rank joins the one collective first.
     bad = {"w": distribute_tensor(torch.ones(4, 2), mesh["dp"], [Shard(0)]), "step": torch.ones(1, dtype=torch.int32)}
     with CollectiveCounter() as counter, pytest.raises(TypeError, match=r"leaf \['step'\] has dtype torch.int32"):
         clip_grad_norm(bad, mesh, 1.0)
-    assert counter.count == 0
+    assert counter.count == 1
     _good_clip_still_works(mesh)
     done.append("bad input")
+
+    # Bad input on one pipeline stage only (a Partial grad there): that stage raises,
+    # the other gets a non-finite norm instead of waiting in the all-reduce.
+    for norm_type in (2.0, math.inf, -math.inf):
+        if stage == 1:
+            leaf = DTensor.from_local(torch.ones(4), mesh["dp"], [Partial("sum")], run_check=False)
+            with pytest.raises(ValueError, match=r"leaf \['v'\] has a Partial placement"):
+                clip_grad_norm({"v": leaf}, mesh, 1.0, norm_type)
+        else:
+            _, total = clip_grad_norm({"w": torch.ones(4)}, mesh, 1.0, norm_type)
+            assert not math.isfinite(float(total)), float(total)
+        _good_clip_still_works(mesh)
+    done.append("bad input on one stage")
 
     # One rank's gradient overflows to inf: every rank sees the same non-finite norm.
     def grads_with_inf():
@@ -83,4 +96,4 @@ def _worker(rank: int, world_size: int) -> list[str]:
 
 def test_failures_are_collective_decisions():
     results = run_ranks(_worker, 4, timeout=180)
-    assert results == [["bad input", "nonfinite", "overflow"]] * 4
+    assert results == [["bad input", "bad input on one stage", "nonfinite", "overflow"]] * 4
