@@ -188,8 +188,9 @@ def clip_grad_norm(
         grads: A pytree of ``torch.Tensor``/``DTensor`` gradients or ``None``.
         mesh: The world mesh, or ``None`` (see :func:`global_grad_norm`).
         max_norm: The largest norm allowed, a number or a 0-dim tensor. Under
-            ``torch.compile`` a Python number is a compile-time constant; pass
-            a 0-dim tensor for a schedule.
+            ``torch.compile`` a Python number is baked into the first graph
+            (a different value recompiles once); pass a 0-dim tensor for a
+            schedule.
         norm_type: ``p > 0``, ``0``, ``inf`` or ``-inf``.
         pp_dim: The pipeline dim name(s) of ``mesh`` (default ``"pp"`` if present).
         eps: Added to the total norm before dividing.

@@ -150,6 +150,10 @@ def _group_name(mesh: DeviceMesh) -> str | None:
     return mesh._flatten().get_group().group_name
 
 
+# Keyed by mesh value: sub-meshes of different stages compare equal (same root
+# rank map and layout) but hold different ranks; a process is one rank, so it
+# only ever sees its own. (Tests that re-initialise a fake process group as
+# another rank clear these caches.)
 _MESH_RANKS: dict[DeviceMesh, list[int]] = {}
 
 
