@@ -1,7 +1,8 @@
-# One entry point. `make demo` and `make test` each set up .venv first (once).
+# One entry point. `make demo`, `make test` and `make bench` each set up .venv first (once).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-0.1
+BENCH_STAMP := $(VENV)/.installed-bench-0.1
 
 .PHONY: demo test test-quick lint bench clean
 
@@ -12,8 +13,17 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $@
 
+# matplotlib for the plots: a bench-only extra.
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[test,bench]'
+	touch $@
+
 demo: $(STAMP)
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node 4 -m ppclip_func.demo
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node 8 -m ppclip_func.demo
+
+# The full benchmark suite (long; `$(PY) -m bench --quick` is the CI-sized run).
+bench: $(BENCH_STAMP)
+	$(PY) -m bench
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check ppclip_func tests bench

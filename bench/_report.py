@@ -1,0 +1,233 @@
+"""The Markdown summary of a benchmark run, and plots for studies that bring none."""
+
+from __future__ import annotations
+
+import datetime
+import pathlib
+
+__all__ = ["plot_compile", "plot_ms", "summary"]
+
+TORCH_COMPILE_IMPL = "torch get_total_norm + clip_grads_with_norm_"
+OURS_COMPILE_IMPL = "ppclip clip_grad_norm_ (in place)"
+
+
+def _status(ok: bool | None, quick: bool) -> str:
+    if quick:  # tiny sizes and aot_eager: nothing to judge a goal by
+        return "n/a (--quick)"
+    return "—" if ok is None else ("met" if ok else "**not met**")
+
+
+def _ms(x: float | None) -> str:
+    return "—" if x is None else (f"{x:.3g}" if x < 10 else f"{x:.0f}")
+
+
+def _x(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f}"
+
+
+def _goal_rows(results: dict[str, dict | None], notes: dict[str, str], quick: bool) -> list[str]:
+    rows = []
+    bw = results.get("bandwidth")
+    if bw:
+        m = bw["model"]
+        for dtype, d in bw["dtypes"].items():
+            f = d["fraction_of_bound"]
+            ours = f.get("ours_compiled_inplace")
+            measured = (
+                f"ours compiled in place {_x(ours)} of the bound ({_ms(d['ms'].get('ours_compiled_inplace'))} ms), "
+                f"pure {_x(f.get('ours_compiled_pure'))}; torch eager foreach {_x(f.get('torch_eager'))}, "
+                f"torch compiled {_x(f.get('torch_compiled'))}; bound {_ms(d['ms']['bound_inplace'])} ms"
+            )
+            goal = "compiled in place ≥ 0.9 of bound" if dtype == "float32" else "(same, reported)"
+            ok = (ours >= 0.9) if ours is not None else False
+            rows.append(
+                f"| 1. Bandwidth, {dtype}, {m['params'] / 1e6:.1f} M params, {m['leaves']} leaves "
+                f"| {measured} | {goal} | {_status(ok, quick)} |"
+            )
+    else:
+        rows.append(f"| 1. Bandwidth | {notes.get('bandwidth', 'not run')} | compiled in place ≥ 0.9 of bound | — |")
+
+    lv = results.get("leaves")
+    if lv:
+        for series, points in lv["series"].items():
+            p = points[-1]
+            r = p["ratio_torch_over_ours"]
+            measured = (
+                f"at {p['leaves']:,} leaves ({p['elements'] / 2**20:.3g} Mi elements): torch/ours time "
+                f"eager {_x(r.get('eager'))}x, DTensor eager {_x(r.get('dtensor_eager'))}x"
+            )
+            first = p.get("first_call_ms", {})
+            if "torch_dtensor_eager" in first and "ours_dtensor_eager" in first:
+                measured += (
+                    f"; first DTensor call torch {first['torch_dtensor_eager'] / 1e3:.2g} s, "
+                    f"ours {first['ours_dtensor_eager'] / 1e3:.2g} s"
+                )
+            compiled = [q for q in points if "compiled" in q["ratio_torch_over_ours"]]
+            if compiled:
+                q = compiled[-1]
+                measured += f", compiled {_x(q['ratio_torch_over_ours']['compiled'])}x at {q['leaves']:,}"
+            rows.append(f"| 2. Leaf scaling, {series.replace('_', ' ')} | {measured} | (reported) | — |")
+    else:
+        rows.append(f"| 2. Leaf scaling | {notes.get('leaves', 'not run')} | (reported) | — |")
+
+    ds = results.get("distributed")
+    if ds:
+        for w in ds["worlds"]:
+            c = w["collectives_per_clip"]
+            s = w["speedup_ours_over_baseline"]
+            mesh = "×".join(f"{k}{v}" for k, v in w["mesh"].items())
+            measured = (
+                f"eager: ours {_ms(w['ms'].get('ours_eager'))} ms, {c.get('ours_eager')} collective(s); "
+                f"baseline {_ms(w['ms'].get('baseline_eager'))} ms, {c.get('baseline_eager')}; "
+                f"speed-up {_x(s.get('eager'))}x"
+            )
+            if "ours_compiled" in c:
+                measured += (
+                    f". compiled: ours {_ms(w['ms'].get('ours_compiled'))} ms, {c['ours_compiled']}; baseline "
+                    f"{_ms(w['ms'].get('baseline_compiled'))} ms, {c.get('baseline_compiled')}; "
+                    f"speed-up {_x(s.get('compiled'))}x"
+                )
+            one = all(v == 1 for k, v in c.items() if k.startswith("ours"))
+            goal = "1 collective" + ("; ≥ 2x faster eager" if w["world"] == 8 else "")
+            ok = one and (w["world"] != 8 or (s.get("eager") or 0) >= 2.0)
+            rows.append(
+                f"| 3. Distributed, {w['world']} gloo ranks ({mesh}) | {measured} | {goal} | {_status(ok, quick)} |"
+            )
+    else:
+        rows.append(f"| 3. Distributed | {notes.get('distributed', 'not run')} | 1 collective; ≥ 2x faster | — |")
+
+    cp = results.get("compile")
+    if cp and cp.get("compile_time"):
+        by = {(r["impl"], r["leaves"], r["backend"]): r["compile_s"] for r in cp["compile_time"]}
+        for backend in sorted({r["backend"] for r in cp["compile_time"]}):
+            for n in sorted({r["leaves"] for r in cp["compile_time"] if r["backend"] == backend}):
+                ours, ref = by.get((OURS_COMPILE_IMPL, n, backend)), by.get((TORCH_COMPILE_IMPL, n, backend))
+                if ours is None or ref is None:
+                    continue
+                ok = ours <= ref if backend == "inductor" else None
+                rows.append(
+                    f"| 4. Compile time, {n} leaves ({backend}) | ours {ours:.1f} s, torch {ref:.1f} s "
+                    f"| not above torch's | {_status(ok, quick)} |"
+                )
+    else:
+        rows.append(f"| 4. Compile time | {notes.get('compile', 'not run')} | not above torch's | — |")
+
+    rows.append(f"| 5. GPU | not measured ({notes.get('gpu', 'no GPU in this run')}) | — | — |")
+    return rows
+
+
+def _bandwidth_table(bw: dict) -> list[str]:
+    dtypes = list(bw["dtypes"])
+    head = "| variant | " + " | ".join(f"{d} ms | {d} of bound" for d in dtypes) + " |"
+    lines = [head, "|---" * (1 + 2 * len(dtypes)) + "|"]
+    names = list(next(iter(bw["dtypes"].values()))["ms"])
+    for v in names:
+        cells = []
+        for d in dtypes:
+            dd = bw["dtypes"][d]
+            cells += [_ms(dd["ms"].get(v)), _x(dd["fraction_of_bound"].get(v)) if not v.startswith("bound") else "1"]
+        lines.append(f"| `{v}` | " + " | ".join(cells) + " |")
+    gbps = ", ".join(f"{d}: {bw['dtypes'][d]['bound_GBps']['bound_inplace']:.1f} GB/s" for d in dtypes)
+    lines.append("")
+    lines.append(f"Bound bandwidth (three passes over the buffer): {gbps}.")
+    return lines
+
+
+def _leaves_table(lv: dict) -> list[str]:
+    variants = [
+        "torch_eager",
+        "ours_eager",
+        "torch_compiled",
+        "ours_compiled",
+        "torch_dtensor_eager",
+        "ours_dtensor_eager",
+    ]
+    lines = ["| series | leaves | " + " | ".join(f"`{v}` ms" for v in variants) + " |"]
+    lines.append("|---" * (2 + len(variants)) + "|")
+    for series, points in lv["series"].items():
+        for p in points:
+            lines.append(f"| {series} | {p['leaves']:,} | " + " | ".join(_ms(p["ms"].get(v)) for v in variants) + " |")
+    return lines
+
+
+def _distributed_table(ds: dict) -> list[str]:
+    lines = ["| ranks | mesh (pp, dp, tp) | variant | ms per clip | collectives per clip |", "|---|---|---|---|---|"]
+    for w in ds["worlds"]:
+        for v, ms in w["ms"].items():
+            mesh = tuple(w["mesh"].values())
+            lines.append(f"| {w['world']} | {mesh} | `{v}` | {_ms(ms)} | {w['collectives_per_clip'][v]} |")
+    return lines
+
+
+def _compile_table(cp: dict) -> list[str]:
+    lines = ["| implementation | leaves | backend | compile s |", "|---|---|---|---|"]
+    for r in cp.get("compile_time", []):
+        lines.append(f"| {r['impl']} | {r['leaves']} | {r['backend']} | {r['compile_s']:.1f} |")
+    return lines
+
+
+def summary(results: dict[str, dict | None], notes: dict[str, str], quick: bool, seconds: dict[str, float]) -> str:
+    """The Markdown the README includes: the goals table, then one table per study."""
+    machine = next((r["machine"] for r in results.values() if r and "machine" in r), {})
+    when = datetime.datetime.now().strftime("%Y-%m-%d")
+    lines = [
+        f"Measured by `python -m bench{' --quick' if quick else ''}` on {when}: {machine.get('platform', '?')}, "
+        f"torch {machine.get('torch', '?')}, {machine.get('torch_threads', '?')} torch threads. Every ratio "
+        "comes from one run: variants interleaved round by round, median of the per-round ratios after warm-up.",
+        "",
+        "| Study | Measured | Goal | Status |",
+        "|---|---|---|---|",
+        *_goal_rows(results, notes, quick),
+    ]
+    if results.get("bandwidth"):
+        lines += ["", "### 1. Bandwidth (median ms; fraction of the bound, higher is better)", ""]
+        lines += _bandwidth_table(results["bandwidth"])
+    if results.get("leaves"):
+        lines += ["", "### 2. Leaf-count scaling (median ms per clip)", ""]
+        lines += _leaves_table(results["leaves"])
+    if results.get("distributed"):
+        lines += ["", "### 3. Distributed, gloo (slowest rank's ms per clip)", ""]
+        lines += _distributed_table(results["distributed"])
+    if results.get("compile"):
+        lines += ["", "### 4. Compile time", ""]
+        lines += _compile_table(results["compile"])
+    took = ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items())
+    lines += ["", f"Wall time per study: {took}."]
+    return "\n".join(lines) + "\n"
+
+
+def plot_compile(result: dict, path: pathlib.Path) -> None:
+    """Compile seconds per implementation and leaf count."""
+    import matplotlib.pyplot as plt
+
+    rows = result.get("compile_time", [])
+    keys = sorted({(r["leaves"], r["backend"]) for r in rows})
+    impls = sorted({r["impl"] for r in rows})
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / max(len(impls), 1)
+    for i, impl in enumerate(impls):
+        by = {(r["leaves"], r["backend"]): r["compile_s"] for r in rows if r["impl"] == impl}
+        xs = [j + (i - (len(impls) - 1) / 2) * width for j in range(len(keys))]
+        ax.bar(xs, [by.get(k, 0.0) for k in keys], width, label=impl)
+    ax.set_xticks(range(len(keys)), [f"{n} leaves\n{b}" for n, b in keys])
+    ax.set_ylabel("compile seconds (lower is better)")
+    ax.set_title("torch.compile(fullgraph=True) of the clip")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_ms(result: dict, path: pathlib.Path) -> None:
+    """A bar chart of a study's ``ms`` dict (for studies without a plot of their own)."""
+    import matplotlib.pyplot as plt
+
+    ms = result.get("ms", {})
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.bar(range(len(ms)), list(ms.values()))
+    ax.set_xticks(range(len(ms)), [k.replace("_", "\n") for k in ms], fontsize=8)
+    ax.set_ylabel("median ms (lower is better)")
+    ax.set_title(f"{result.get('study', '')} study")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

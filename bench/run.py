@@ -1,0 +1,133 @@
+"""Run the benchmark studies: JSON and a PNG plot per study, and a Markdown summary.
+
+    python -m bench                  # full run, results in bench/results/ (long: see README)
+    python -m bench --quick          # CI-sized: small sizes, fewer points, distributed eager only
+    python -m bench --only bandwidth distributed
+    python -m bench --quick --out /tmp/bench   # leave bench/results/ alone
+
+Studies (each a module ``bench/<name>_study.py`` with ``run(quick, out) -> dict``):
+
+1. ``bandwidth``: one process, GPT-2 shapes, fp32/bf16; torch and ours, eager and
+   compiled, against the memory-bandwidth bound measured in the same run.
+2. ``leaves``: one process, 100 → 10 000 leaves; plain tensors and DTensors.
+3. ``distributed``: 4 and 8 gloo ranks, PP × FSDP2 × TP DTensor grads; ours vs
+   the torchtitan-style clip, time and counted collectives per clip.
+4. ``compile``: compile time, ours vs torch's clip (``bench/compile_study.py``).
+5. ``gpu``: not measured here (no GPU); recorded as such.
+
+Also run if present: ``overflow`` (what ``overflow_safe=True`` costs).
+
+Results go to ``<out>/<name>.json`` and ``<out>/<name>.png``; the summary,
+with the goals and whether this run met them, to ``<out>/summary.md``. The
+exit status is non-zero if a study raised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import inspect
+import json
+import pathlib
+import sys
+import time
+import traceback
+
+import torch
+
+from bench import _report
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+STUDIES = ("bandwidth", "leaves", "distributed", "compile", "overflow")
+OPTIONAL = {"compile", "overflow"}  # written elsewhere; skipped with a note if absent
+COMPILE_LEAVES_FULL = [145, 1000]
+
+
+def _run_study(name: str, quick: bool, out: pathlib.Path) -> dict:
+    mod = importlib.import_module(f"bench.{name}_study")
+    params = inspect.signature(mod.run).parameters
+    kwargs: dict = {"quick": quick}
+    if "leaves" in params and not quick:
+        kwargs["leaves"] = COMPILE_LEAVES_FULL
+    if "out" in params:
+        kwargs["out"] = out
+    elif hasattr(mod, "RESULTS"):
+        mod.RESULTS = out  # a study that writes to its module's RESULTS folder
+    result = mod.run(**kwargs)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def _plot(name: str, result: dict, out: pathlib.Path) -> str | None:
+    """Writes ``<out>/<name>.png``; returns why not if it could not."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+    except ImportError:
+        return "matplotlib is not installed (pip install -e '.[bench]')"
+    mod = importlib.import_module(f"bench.{name}_study")
+    if hasattr(mod, "plot"):
+        plot = mod.plot
+    elif name == "compile":
+        plot = _report.plot_compile
+    else:
+        plot = _report.plot_ms
+    plot(result, out / f"{name}.png")
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="CI-sized run")
+    parser.add_argument("--only", nargs="+", choices=STUDIES, help="run these studies only")
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="results folder (default bench/results)")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    results: dict[str, dict | None] = {}
+    notes: dict[str, str] = {}
+    seconds: dict[str, float] = {}
+    failed = []
+    for name in args.only or STUDIES:
+        if name in OPTIONAL and importlib.util.find_spec(f"bench.{name}_study") is None:
+            notes[name] = f"not run: bench/{name}_study.py is absent"
+            print(f"[bench] {name}: {notes[name]}", flush=True)
+            continue
+        print(f"[bench] {name}{' (quick)' if args.quick else ''} ...", flush=True)
+        t0 = time.perf_counter()
+        try:
+            results[name] = _run_study(name, args.quick, args.out)
+        except Exception:
+            traceback.print_exc()
+            notes[name] = "failed: see the log"
+            failed.append(name)
+            continue
+        finally:
+            seconds[name] = time.perf_counter() - t0
+            torch._dynamo.reset()
+        why = _plot(name, results[name], args.out)
+        if why:
+            print(f"[bench] {name}: no plot, {why}", flush=True)
+        print(f"[bench] {name}: {seconds[name]:.0f} s", flush=True)
+
+    gpu = {
+        "study": "gpu",
+        "measured": False,
+        "reason": "no GPU study in this suite yet"
+        if torch.cuda.is_available()
+        else "no GPU on this machine (torch.cuda.is_available() is False)",
+    }
+    notes["gpu"] = gpu["reason"]
+    (args.out / "gpu.json").write_text(json.dumps(gpu, indent=2) + "\n")
+    summary = _report.summary(results, notes, args.quick, seconds)
+    (args.out / "summary.md").write_text(summary)
+    print(summary)
+    if failed:
+        print(f"[bench] failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

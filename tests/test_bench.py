@@ -1,0 +1,124 @@
+"""``python -m bench --quick`` runs every study end to end and writes well-formed results.
+
+The quick run's timings say nothing (tiny sizes, a shared CI machine, and
+``aot_eager`` in place of inductor), so the numbers are checked for
+presence and sign only; what the results must say regardless of speed is
+checked exactly: one collective per clip for ours, more for the
+torchtitan-style baseline, and both computing the same norm.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import pathlib
+import sys
+
+import pytest
+
+from tests._processes import python, run_bounded
+
+TIMEOUT_S = 420
+STUDIES = ("bandwidth", "leaves", "distributed")
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="tests/_processes.py reads /proc")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> pathlib.Path:
+    out = tmp_path_factory.mktemp("bench")
+    code, log, leftovers = run_bounded([python(), "-m", "bench", "--quick", "--out", str(out)], TIMEOUT_S)
+    assert not leftovers, f"processes left behind: {leftovers}"
+    assert code is not None, f"bench --quick did not finish within {TIMEOUT_S} s:\n{log[-4000:]}"
+    assert code == 0, f"bench --quick exited with {code}:\n{log[-6000:]}"
+    return out
+
+
+def _load(results: pathlib.Path, name: str) -> dict:
+    data = json.loads((results / f"{name}.json").read_text())
+    assert data["study"] == name
+    return data
+
+
+def _positive_numbers(d: dict, where: str) -> None:
+    assert d, f"{where} is empty"
+    for k, v in d.items():
+        assert isinstance(v, (int, float)) and math.isfinite(v) and v > 0, f"{where}[{k!r}] = {v!r}"
+
+
+def test_every_study_writes_json_and_a_plot(results: pathlib.Path):
+    for name in STUDIES:
+        data = _load(results, name)
+        assert data["quick"] is True
+        assert data["runs"] >= 5
+        assert data["machine"]["torch"]
+        if importlib.util.find_spec("matplotlib") is not None:
+            assert (results / f"{name}.png").stat().st_size > 1000
+    assert _load(results, "gpu")["measured"] is False
+
+
+def test_bandwidth_schema(results: pathlib.Path):
+    data = _load(results, "bandwidth")
+    assert data["model"]["leaves"] > 0 and data["model"]["params"] > 0
+    assert not data["errors"], data["errors"]
+    assert set(data["dtypes"]) == {"float32", "bfloat16"}
+    for dtype, d in data["dtypes"].items():
+        assert set(d["ms"]) == {
+            "bound_inplace",
+            "bound_pure",
+            "torch_eager",
+            "torch_compiled",
+            "ours_eager_inplace",
+            "ours_eager_pure",
+            "ours_compiled_inplace",
+            "ours_compiled_pure",
+        }
+        _positive_numbers(d["ms"], f"{dtype} ms")
+        _positive_numbers(d["fraction_of_bound"], f"{dtype} fraction_of_bound")
+        _positive_numbers(d["bound_GBps"], f"{dtype} bound_GBps")
+        assert set(d["fraction_of_bound"]) == set(d["ms"]) - {"bound_inplace", "bound_pure"}
+
+
+def test_leaves_schema(results: pathlib.Path):
+    data = _load(results, "leaves")
+    for series in ("fixed_total", "fixed_leaf"):
+        points = data["series"][series]
+        assert [p["leaves"] for p in points] == data["config"]["counts"]
+        for p in points:
+            assert "errors" not in p, p["errors"]
+            assert set(p["ms"]) == {
+                "torch_eager",
+                "ours_eager",
+                "torch_compiled",
+                "ours_compiled",
+                "torch_dtensor_eager",
+                "ours_dtensor_eager",
+            }
+            _positive_numbers(p["ms"], f"{series} {p['leaves']} ms")
+            _positive_numbers(p["ratio_torch_over_ours"], f"{series} {p['leaves']} ratios")
+            _positive_numbers(p["compile_s"], f"{series} {p['leaves']} compile_s")
+            _positive_numbers(p["first_call_ms"], f"{series} {p['leaves']} first_call_ms")
+
+
+def test_distributed_counts_one_collective_for_ours(results: pathlib.Path):
+    data = _load(results, "distributed")
+    assert data["worlds"]
+    for w in data["worlds"]:
+        assert "errors" not in w, w["errors"]
+        assert set(w["ms"]) == {"ours_eager", "baseline_eager", "ours_compiled", "baseline_compiled"}
+        _positive_numbers(w["ms"], f"{w['world']} ranks ms")
+        _positive_numbers(w["speedup_ours_over_baseline"], f"{w['world']} ranks speed-up")
+        counts = w["collectives_per_clip"]
+        assert counts["ours_eager"] == counts["ours_compiled"] == 1, counts
+        # get_total_norm(...).full_tensor() reduces over each sharded dim, then one more over pp.
+        assert counts["baseline_eager"] >= 2 and counts["baseline_compiled"] >= 2, counts
+        assert w["norm_max_rel_diff_ours_vs_baseline"] < 1e-5
+
+
+def test_summary_has_the_goal_table(results: pathlib.Path):
+    text = (results / "summary.md").read_text()
+    assert "| Study | Measured | Goal | Status |" in text
+    for row in ("| 1. Bandwidth, float32", "| 2. Leaf scaling", "| 3. Distributed, 4 gloo ranks", "| 5. GPU"):
+        assert row in text, row
+    assert "not measured" in text
