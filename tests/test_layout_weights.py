@@ -47,8 +47,11 @@ def layouts(draw):
     tshape = tuple(draw(st.lists(st.integers(1, 9), min_size=1, max_size=3)))
     placements = []
     for _ in leaf_dims:
-        kind = draw(st.sampled_from(["replicate", "shard"]))
-        placements.append(Replicate() if kind == "replicate" else Shard(draw(st.integers(0, len(tshape) - 1))))
+        kind = draw(st.sampled_from(["replicate", "shard", "shard", "partial"]))
+        if kind == "partial":
+            placements.append(Partial(draw(st.sampled_from(["sum", "avg"]))))
+        else:
+            placements.append(Replicate() if kind == "replicate" else Shard(draw(st.integers(0, len(tshape) - 1))))
     # FSDP2 x TP: when an earlier mesh dim shards the same tensor dim as a later
     # one, torch uses _StridedShard on the earlier one (right-to-left order).
     if draw(st.booleans()):
@@ -117,6 +120,11 @@ def test_weighted_sum_over_all_ranks_counts_each_element_once(layout, norm_p):
                 c[d] = v
             members.append(_rank_at(table, c))
         if leaf_dims:
+            if any(p.is_partial() for p in placements):
+                # Partial grads are refused as they are; partial="reduce" makes them Replicate first.
+                with pytest.raises(ValueError, match="has a Partial placement"):
+                    replica_count(world, members, leaf_shape, placements)
+                placements = tuple(Replicate() if p.is_partial() else p for p in placements)
             copies = replica_count(world, members, leaf_shape, placements)
             local = _local_shard(full, leaf_shape, tuple(coord[d] for d in leaf_dims), placements)
         else:  # a plain tensor: replicated over the rank's pipeline stage

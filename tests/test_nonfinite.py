@@ -92,3 +92,18 @@ def test_clip_grads_with_norm_applies_the_policy_to_the_given_norm():
 def test_unknown_policy_is_a_value_error():
     with pytest.raises(ValueError, match="nonfinite must be one of"):
         clip_grad_norm(_grads(None), None, 1.0, nonfinite="skip")
+
+
+def test_error_policy_fails_at_trace_time_under_compile():
+    step = torch.compile(lambda g: clip_grad_norm(g, None, 1.0, nonfinite="error"), fullgraph=True, backend="eager")
+    with pytest.raises(Exception, match=r"use nonfinite='zero' under torch\.compile"):
+        step(_grads(None))
+
+
+def test_zero_policy_compiles_without_a_graph_break():
+    torch._dynamo.reset()
+    step = torch.compile(lambda g: clip_grad_norm(g, None, 1.0, nonfinite="zero"), fullgraph=True, backend="eager")
+    clipped, total = step(_grads(math.inf))
+    assert math.isinf(float(total)) and torch.equal(clipped["w"], torch.zeros(5, 4))
+    clipped, total = step(_grads(None))
+    assert math.isfinite(float(total)) and float(clipped["w"].abs().max()) > 0
