@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch._functorch.config
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
@@ -116,6 +117,9 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
     # The baseline's full_tensor() over two Partial mesh dims makes DTensor warn that it runs two
     # all-reduces, on every rank; that cost is what the study measures, so the warning is noise here.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    # AOTAutograd's disk cache cannot pickle a DeviceMesh (it warns and moves on) and keys DTensor inputs
+    # by global shape, so ranks with uneven shards could share kernels that do not fit them.
+    torch._functorch.config.enable_autograd_cache = False
     try:
         torch.set_num_threads(1)
         dist.init_process_group(

@@ -256,7 +256,8 @@ class AdamWState:
     def __init__(self, params: list[torch.Tensor]) -> None:
         self.exp_avgs = [torch.zeros_like(p) for p in params]
         self.exp_avg_sqs = [torch.zeros_like(p) for p in params]
-        self.steps = [torch.zeros((), dtype=torch.float32) for _ in params]
+        # float64: compiled (capturable), the bias corrections are computed in the step's dtype.
+        self.steps = [torch.zeros((), dtype=torch.float64) for _ in params]
 
 
 def adamw_step(params: list[torch.Tensor], state: AdamWState, lr: float) -> None:
@@ -302,15 +303,17 @@ class StepLog:
 
 def _quiet() -> None:
     """Silences the torch warnings this demo triggers and understands; every other warning still shows."""
+    import torch._functorch.config
+
     # The last stage returns its logits as a view (DTensor.to_local of the Replicate output of the
     # ColwiseParallel head); the pipeline schedule never modifies a stage output in place.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     # torch's own per-stage norm below: full_tensor() of a norm Partial over (dp, tp) runs two sequential
     # all-reduces, and DTensor says so. That is the baseline's cost, shown on purpose.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    # The compiled step holds DTensors and a DeviceMesh, which AOTAutograd's on-disk cache cannot pickle;
-    # the step is compiled once per process either way.
-    logging.getLogger("torch._functorch._aot_autograd.autograd_cache").setLevel(logging.ERROR)
+    # AOTAutograd's on-disk cache: it cannot pickle the DeviceMesh in this step anyway (and warns), and it
+    # keys DTensor inputs by global shape, so ranks with uneven shards could load each other's kernels.
+    torch._functorch.config.enable_autograd_cache = False
 
 
 def _torch_stage_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
