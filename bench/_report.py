@@ -112,7 +112,21 @@ def _goal_rows(results: dict[str, dict | None], notes: dict[str, str], quick: bo
     else:
         rows.append(f"| 4. Compile time | {notes.get('compile', 'not run')} | not above torch's | — |")
 
-    rows.append(f"| 5. GPU | not measured ({notes.get('gpu', 'no GPU in this run')}) | — | — |")
+    gpu = results.get("gpu")
+    if gpu:
+        d = gpu["dtypes"]["bfloat16"]
+        f = d["fraction_of_bound"]
+        ours = f.get("ours_compiled_inplace")
+        measured = (
+            f"{gpu['device']}, {gpu['model']['params'] / 1e9:.2f} G bf16 params: ours compiled in place "
+            f"{_x(ours)} of the HBM bound ({_ms(d['ms'].get('ours_compiled_inplace'))} ms; bound "
+            f"{d['bound_GBps']['bound_inplace']:.0f} GB/s), eager {_x(f.get('ours_eager_inplace'))}; "
+            f"torch eager foreach {_x(f.get('torch_eager'))}, compiled {_x(f.get('torch_compiled'))}"
+        )
+        ok = ours is not None and ours >= 0.9
+        rows.append(f"| 5. GPU | {measured} | compiled in place ≥ 0.9 of bound | {_status(ok, quick)} |")
+    else:
+        rows.append(f"| 5. GPU | not measured ({notes.get('gpu', 'no GPU in this run')}) | — | — |")
     return rows
 
 
@@ -191,6 +205,9 @@ def summary(results: dict[str, dict | None], notes: dict[str, str], quick: bool,
     if results.get("compile"):
         lines += ["", "### 4. Compile time", ""]
         lines += _compile_table(results["compile"])
+    if results.get("gpu"):
+        lines += ["", f"### 5. GPU, {results['gpu']['device']} (median ms; fraction of the HBM bound)", ""]
+        lines += _bandwidth_table(results["gpu"])
     took = ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items())
     lines += ["", f"Wall time per study: {took}."]
     return "\n".join(lines) + "\n"

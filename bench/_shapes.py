@@ -6,7 +6,7 @@ import math
 
 import torch
 
-__all__ = ["gpt_shapes", "make_grads", "make_params", "numel"]
+__all__ = ["gpt_shapes", "llama3_8b_shapes", "make_grads", "make_params", "numel"]
 
 
 def gpt_shapes(dim: int, layers: int, vocab: int, context: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -34,10 +34,38 @@ def gpt_shapes(dim: int, layers: int, vocab: int, context: int) -> list[tuple[st
     return [*shapes, ("ln_f.weight", (dim,)), ("ln_f.bias", (dim,))]
 
 
-def make_grads(shapes: list[tuple[int, ...]], dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
+def llama3_8b_shapes(layers: int = 32, scale: int = 1) -> list[tuple[str, tuple[int, ...]]]:
+    """Llama-3-8B parameter shapes (torchtitan names): 9 leaves per block + 3.
+
+    Dim 4096, 32 heads of 128 with 8 KV heads, SwiGLU hidden 14336, vocab
+    128256 (https://huggingface.co/meta-llama/Meta-Llama-3-8B, config.json):
+    291 leaves and 8.03 G elements. ``scale`` divides every width (a small
+    stand-in with the same leaf structure, for smoke tests).
+    """
+    dim, kv, hidden, vocab = 4096 // scale, 1024 // scale, 14336 // scale, 128256 // scale
+    shapes: list[tuple[str, tuple[int, ...]]] = [("tok_embeddings.weight", (vocab, dim))]
+    for i in range(layers):
+        p = f"layers.{i}."
+        shapes += [
+            (p + "attention_norm.weight", (dim,)),
+            (p + "attention.wq.weight", (dim, dim)),
+            (p + "attention.wk.weight", (kv, dim)),
+            (p + "attention.wv.weight", (kv, dim)),
+            (p + "attention.wo.weight", (dim, dim)),
+            (p + "ffn_norm.weight", (dim,)),
+            (p + "feed_forward.w1.weight", (hidden, dim)),
+            (p + "feed_forward.w2.weight", (dim, hidden)),
+            (p + "feed_forward.w3.weight", (hidden, dim)),
+        ]
+    return [*shapes, ("norm.weight", (dim,)), ("output.weight", (vocab, dim))]
+
+
+def make_grads(
+    shapes: list[tuple[int, ...]], dtype: torch.dtype, seed: int = 0, device: str | torch.device = "cpu"
+) -> list[torch.Tensor]:
     """Gradients of the given shapes, uniform in [-1, 1) (cheaper to draw than normals)."""
-    g = torch.Generator().manual_seed(seed)
-    return [torch.empty(s, dtype=dtype).uniform_(-1.0, 1.0, generator=g) for s in shapes]
+    g = torch.Generator(device).manual_seed(seed)
+    return [torch.empty(s, dtype=dtype, device=device).uniform_(-1.0, 1.0, generator=g) for s in shapes]
 
 
 def make_params(grads: list[torch.Tensor]) -> list[torch.nn.Parameter]:
@@ -48,7 +76,7 @@ def make_params(grads: list[torch.Tensor]) -> list[torch.nn.Parameter]:
     """
     params = []
     for g in grads:
-        p = torch.nn.Parameter(torch.empty(g.shape, dtype=g.dtype))
+        p = torch.nn.Parameter(torch.empty(g.shape, dtype=g.dtype, device=g.device))
         p.grad = g
         params.append(p)
     return params

@@ -47,14 +47,14 @@ PURE = ("ours_eager_pure", "ours_compiled_pure")
 
 
 def _variants(
-    dtype: torch.dtype, shapes: list[tuple[int, ...]], backend: str
+    dtype: torch.dtype, shapes: list[tuple[int, ...]], backend: str, device: torch.device
 ) -> tuple[dict[str, Callable[[], object]], dict]:
-    grads = make_grads(shapes, dtype)
+    grads = make_grads(shapes, dtype, device=device)
     params = make_params(grads)
     n = numel(shapes)
-    flat = torch.empty(n, dtype=dtype).uniform_(-1.0, 1.0)
+    flat = torch.empty(n, dtype=dtype, device=device).uniform_(-1.0, 1.0)
     other = torch.empty_like(flat)
-    c = torch.tensor(0.999, dtype=torch.float32)
+    c = torch.tensor(0.999, dtype=torch.float32, device=device)
 
     def bound_inplace() -> None:
         flat.sum()
@@ -94,6 +94,8 @@ def _variants(
             traceback.print_exc()
             continue
         variants[name] = lambda compiled=compiled, arg=arg: compiled(arg)
+    if device.type == "cuda":  # a call is timed until its kernels have finished
+        variants = {k: lambda fn=fn: (fn(), torch.cuda.synchronize(device)) for k, fn in variants.items()}
     return variants, errors
 
 
@@ -110,34 +112,49 @@ def _summarize(t: Timings, n: int, dtype: torch.dtype) -> dict:
     }
 
 
-def run(quick: bool = False, out: pathlib.Path | None = None) -> dict:
-    """Measures every variant in fp32 and bf16; writes ``<out>/bandwidth.json`` and returns it."""
-    cfg = QUICK if quick else FULL
-    named = gpt_shapes(**cfg)
-    shapes = [s for _, s in named]
+def measure(
+    named_shapes: list[tuple[str, tuple[int, ...]]],
+    dtypes: tuple[torch.dtype, ...],
+    *,
+    device: str | torch.device = "cpu",
+    runs: int,
+    warmup: int,
+    backend: str,
+) -> dict:
+    """Times every variant on ``device`` for each dtype; the JSON body of a bandwidth study."""
+    device = torch.device(device)
+    shapes = [s for _, s in named_shapes]
     n = numel(shapes)
-    runs, warmup = (5, 1) if quick else (9, 2)
-    backend = "aot_eager" if quick else "inductor"
     result: dict = {
-        "study": NAME,
-        "quick": quick,
         "machine": machine(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
         "runs": runs,
         "warmup": warmup,
-        "model": {"shapes": f"GPT-2 {cfg}", "leaves": len(shapes), "params": n},
+        "model": {"leaves": len(shapes), "params": n},
         "compile_backend": backend,
         "max_norm": MAX_NORM,
         "dtypes": {},
         "errors": {},
     }
-    for dtype in (torch.float32, torch.bfloat16):
-        variants, errors = _variants(dtype, shapes, backend)
+    for dtype in dtypes:
+        variants, errors = _variants(dtype, shapes, backend, device)
         t = interleaved(variants, runs=runs, warmup=warmup)
         name = str(dtype).removeprefix("torch.")
         result["dtypes"][name] = _summarize(t, n, dtype)
         result["errors"].update({f"{name}/{k}": v for k, v in errors.items()})
         del variants
         torch._dynamo.reset()
+    return result
+
+
+def run(quick: bool = False, out: pathlib.Path | None = None) -> dict:
+    """Measures every variant in fp32 and bf16; writes ``<out>/bandwidth.json`` and returns it."""
+    cfg = QUICK if quick else FULL
+    runs, warmup = (5, 1) if quick else (9, 2)
+    backend = "aot_eager" if quick else "inductor"
+    body = measure(gpt_shapes(**cfg), (torch.float32, torch.bfloat16), runs=runs, warmup=warmup, backend=backend)
+    body["model"]["shapes"] = f"GPT-2 {cfg}"
+    result = {"study": NAME, "quick": quick, **body}
     _write(result, out)
     return result
 

@@ -13,7 +13,9 @@ Studies (each a module ``bench/<name>_study.py`` with ``run(quick, out) -> dict`
 3. ``distributed``: 4 and 8 gloo ranks, PP × FSDP2 × TP DTensor grads; ours vs
    the torchtitan-style clip, time and counted collectives per clip.
 4. ``compile``: compile time, ours vs torch's clip (``bench/compile_study.py``).
-5. ``gpu``: not measured here (no GPU); recorded as such.
+5. ``gpu``: study 1 on CUDA, bf16 Llama-3-8B shapes (``bench/gpu_study.py``); on a
+   machine without CUDA it is recorded as not measured (an earlier measured
+   ``gpu.json`` in ``<out>`` is kept).
 
 Also run if present: ``overflow`` (what ``overflow_safe=True`` costs).
 
@@ -39,7 +41,7 @@ import torch
 from bench import _report
 
 RESULTS = pathlib.Path(__file__).parent / "results"
-STUDIES = ("bandwidth", "leaves", "distributed", "compile", "overflow")
+STUDIES = ("bandwidth", "leaves", "distributed", "compile", "overflow", "gpu")
 OPTIONAL = {"compile", "overflow"}  # written elsewhere; skipped with a note if absent
 COMPILE_LEAVES_FULL = [145, 1000]
 
@@ -78,6 +80,16 @@ def _plot(name: str, result: dict, out: pathlib.Path) -> str | None:
     return None
 
 
+def _gpu_not_measured(out: pathlib.Path) -> str:
+    """Records that this machine has no GPU, keeping a measured ``gpu.json`` from elsewhere."""
+    path = out / "gpu.json"
+    if path.exists() and json.loads(path.read_text()).get("measured"):
+        return f"not measured in this run (no CUDA); {path.name} keeps an earlier GPU run"
+    reason = "no GPU on this machine (torch.cuda.is_available() is False)"
+    path.write_text(json.dumps({"study": "gpu", "measured": False, "reason": reason}, indent=2) + "\n")
+    return reason
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="CI-sized run")
@@ -91,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     seconds: dict[str, float] = {}
     failed = []
     for name in args.only or STUDIES:
+        if name == "gpu" and not torch.cuda.is_available():
+            notes[name] = _gpu_not_measured(args.out)
+            print(f"[bench] gpu: {notes[name]}", flush=True)
+            continue
         if name in OPTIONAL and importlib.util.find_spec(f"bench.{name}_study") is None:
             notes[name] = f"not run: bench/{name}_study.py is absent"
             print(f"[bench] {name}: {notes[name]}", flush=True)
@@ -112,15 +128,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[bench] {name}: no plot, {why}", flush=True)
         print(f"[bench] {name}: {seconds[name]:.0f} s", flush=True)
 
-    gpu = {
-        "study": "gpu",
-        "measured": False,
-        "reason": "no GPU study in this suite yet"
-        if torch.cuda.is_available()
-        else "no GPU on this machine (torch.cuda.is_available() is False)",
-    }
-    notes["gpu"] = gpu["reason"]
-    (args.out / "gpu.json").write_text(json.dumps(gpu, indent=2) + "\n")
     summary = _report.summary(results, notes, args.quick, seconds)
     (args.out / "summary.md").write_text(summary)
     print(summary)

@@ -122,3 +122,20 @@ def test_summary_has_the_goal_table(results: pathlib.Path):
     for row in ("| 1. Bandwidth, float32", "| 2. Leaf scaling", "| 3. Distributed, 4 gloo ranks", "| 5. GPU"):
         assert row in text, row
     assert "not measured" in text
+
+
+def test_gpu_study_runs_its_variants_on_the_cpu_at_smoke_size(tmp_path: pathlib.Path):
+    # The GPU study is study 1 on other shapes and a device; here it runs with
+    # the CPU as its device, to check the script before a GPU session needs it.
+    cmd = [python(), "-m", "bench.gpu_study", "--quick", "--device", "cpu", "--out", str(tmp_path)]
+    code, log, leftovers = run_bounded(cmd, 180)
+    assert not leftovers, f"processes left behind: {leftovers}"
+    assert code == 0, f"gpu_study exited with {code}:\n{log[-4000:]}"
+    data = _load(tmp_path, "gpu")
+    assert data["measured"] is True and data["device"] == "cpu"
+    assert data["model"]["leaves"] == 2 * 9 + 3
+    assert not data["errors"], data["errors"]
+    d = data["dtypes"]["bfloat16"]
+    assert set(d["fraction_of_bound"]) == set(d["ms"]) - {"bound_inplace", "bound_pure"}
+    _positive_numbers(d["ms"], "gpu ms")
+    _positive_numbers(d["fraction_of_bound"], "gpu fraction_of_bound")

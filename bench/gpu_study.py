@@ -1,0 +1,81 @@
+"""Study 5, one GPU: study 1 on CUDA with bf16 Llama-3-8B-shaped gradients.
+
+The same variants as :mod:`bench.bandwidth_study` (torch's eager foreach clip,
+torch's clip compiled, ours eager and compiled, pure and in place), on 291
+leaves and 8.03 G bf16 elements (16 GB of gradients; about 90 GB of device
+memory in all, with the flat buffers of the bound and the pure API's outputs).
+Each variant is reported in ms and as the fraction of the HBM bound measured
+in the same run: ``flat.sum()`` plus ``flat.mul_(c)`` over one flat buffer of
+the same size (``torch.mul(flat, c, out=other)`` for the pure API), timed to
+``torch.cuda.synchronize()``. ``bound_GBps`` is the HBM traffic of the bound
+(three passes over the buffer) per second: what this GPU reaches, to set
+against its nominal peak (H100 SXM 3.35 TB/s, H200 4.8 TB/s, from NVIDIA's
+data sheets).
+
+The run is one prepared command of a few minutes (most of it inductor
+compiling three variants)::
+
+    python -m bench.gpu_study                 # needs CUDA; writes bench/results/gpu.json
+    python -m bench.gpu_study --quick --device cpu   # smoke test: 2 small blocks, aot_eager
+
+``python -m bench`` runs it when ``torch.cuda.is_available()``, and records
+"not measured" otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+import torch
+
+from bench import bandwidth_study
+from bench._shapes import llama3_8b_shapes
+
+NAME = "gpu"
+RESULTS = pathlib.Path(__file__).parent / "results"
+
+
+def run(quick: bool = False, out: pathlib.Path | None = None, device: str = "cuda") -> dict:
+    """Measures every variant in bf16 on ``device``; writes ``<out>/gpu.json`` and returns it."""
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("the GPU study needs CUDA (torch.cuda.is_available() is False)")
+    layers, scale = (2, 64) if quick else (32, 1)
+    runs, warmup = (5, 1) if quick else (7, 2)
+    backend = "aot_eager" if quick else "inductor"
+    body = bandwidth_study.measure(
+        llama3_8b_shapes(layers, scale), (torch.bfloat16,), device=device, runs=runs, warmup=warmup, backend=backend
+    )
+    body["model"]["shapes"] = f"Llama-3-8B, {layers} layers, widths / {scale}"
+    result = {"study": NAME, "measured": True, "quick": quick, **body}
+    out = out or RESULTS
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{NAME}.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def plot(result: dict, path: pathlib.Path) -> None:
+    """The bandwidth study's bar chart, for the one dtype measured here."""
+    bandwidth_study.plot(result, path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="2 small blocks, aot_eager: a smoke test")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    args = parser.parse_args()
+    r = run(quick=args.quick, out=args.out, device=args.device)
+    print(f"{r['device']}: {r['model']['params'] / 1e9:.2f} G bf16 params in {r['model']['leaves']} leaves")
+    for dtype, d in r["dtypes"].items():
+        print(f"{dtype}: bound {d['bound_GBps']['bound_inplace']:.0f} GB/s")
+        for v, ms in d["ms"].items():
+            frac = d["fraction_of_bound"].get(v)
+            print(f"  {v:<24} {ms:9.2f} ms" + (f"   {frac:5.2f} of bound" if frac is not None else ""))
+    if r["errors"]:
+        print("errors:", r["errors"])
+
+
+if __name__ == "__main__":
+    main()
