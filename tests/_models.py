@@ -37,6 +37,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+# The dense building blocks are the demo's: they read only dim/n_heads/hidden.
+from ppclip_func.demo import Attention, FeedForward, RMSNorm
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelArgs:
@@ -49,40 +52,6 @@ class ModelArgs:
     n_experts: int = 4
     seq_len: int = 8
     tie_embeddings: bool = False  # the output head starts as the input embedding's weight
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
-
-
-class Attention(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        self.head_dim = args.dim // args.n_heads
-        self.wq, self.wk, self.wv, self.wo = (nn.Linear(args.dim, args.dim, bias=False) for _ in range(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bs, seq = x.shape[:2]
-        # Under TP the projections return this rank's heads only: -1 is the local head count.
-        q, k, v = (w(x).view(bs, seq, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
-
-
-class FeedForward(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(args.dim, args.hidden, bias=False)
-        self.w2 = nn.Linear(args.hidden, args.dim, bias=False)
-        self.w3 = nn.Linear(args.dim, args.hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class GroupedExperts(nn.Module):
