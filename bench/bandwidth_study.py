@@ -192,15 +192,21 @@ def _write(result: dict, out: pathlib.Path | None) -> None:
     (out / f"{NAME}.json").write_text(json.dumps(result, indent=2) + "\n")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    r = run(quick=parser.parse_args().quick)
-    for dtype, d in r["dtypes"].items():
-        print(dtype)
+def print_result(result: dict) -> None:
+    """Per dtype: the bound's bandwidth, then each variant's ms and fraction of the bound."""
+    for dtype, d in result["dtypes"].items():
+        print(f"{dtype}: bound {d['bound_GBps']['bound_inplace']:.1f} GB/s")
         for v, ms in d["ms"].items():
             frac = d["fraction_of_bound"].get(v)
             print(f"  {v:<24} {ms:9.2f} ms" + (f"   {frac:5.2f} of bound" if frac is not None else ""))
+    if result["errors"]:
+        print("errors:", result["errors"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    print_result(run(quick=parser.parse_args().quick))
 
 
 if __name__ == "__main__":

@@ -68,13 +68,7 @@ def main() -> None:
     args = parser.parse_args()
     r = run(quick=args.quick, out=args.out, device=args.device)
     print(f"{r['device']}: {r['model']['params'] / 1e9:.2f} G bf16 params in {r['model']['leaves']} leaves")
-    for dtype, d in r["dtypes"].items():
-        print(f"{dtype}: bound {d['bound_GBps']['bound_inplace']:.0f} GB/s")
-        for v, ms in d["ms"].items():
-            frac = d["fraction_of_bound"].get(v)
-            print(f"  {v:<24} {ms:9.2f} ms" + (f"   {frac:5.2f} of bound" if frac is not None else ""))
-    if r["errors"]:
-        print("errors:", r["errors"])
+    bandwidth_study.print_result(r)
 
 
 if __name__ == "__main__":
