@@ -49,10 +49,24 @@ def run(quick: bool = False, out: pathlib.Path | None = None, device: str = "cud
     )
     body["model"]["shapes"] = f"Llama-3-8B, {layers} layers, widths / {scale}"
     result = {"study": NAME, "measured": True, "quick": quick, **body}
+    if torch.device(device).type == "cuda":
+        result["cpu_offload"] = _cpu_offload_check()
     out = out or RESULTS
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{NAME}.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def _cpu_offload_check() -> dict:
+    """FSDP2 CPU offload (pytorch#148532): CPU grads over a CUDA mesh must reduce on the GPU.
+
+    Runs the unit check of ``tests/test_devices.py`` on 4 fake ranks in this
+    process (a fake process group: one GPU cannot host real NCCL peers).
+    """
+    from tests.test_devices import offloaded_clip_reduces_on_the_gpu
+
+    devices, total = offloaded_clip_reduces_on_the_gpu()
+    return {"collective_devices": devices, "norm": total, "ok": [d.split(":")[0] for d in devices] == ["cuda"]}
 
 
 def plot(result: dict, path: pathlib.Path) -> None:

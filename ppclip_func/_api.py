@@ -2,42 +2,53 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Iterable, Sequence
-from typing import Any, TypeVar
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any, TypeVar, overload
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
-from ._layout import copies, pipeline_dims, resolve_world
-from ._local import STAT_DTYPE, local_statistics
-from ._norms import NormKind, norm_kind
-from ._paths import GroupSpec, TiedSpec, check_groups, check_tied, group_index, tied_stages
-from ._reduce import all_reduce_statistics, reduce_partial
-from ._scale import NONFINITE_POLICIES, check_finite, clip_coefficient, scale
+from ._measure import GroupNorms, NormOptions, PpDim, measure
+from ._norms import norm_kind
+from ._paths import GroupSpec, TiedSpec
+from ._scale import NONFINITE_POLICIES, clip_coefficient, finite_mask, scale
 from ._tree import Leaves, flatten_grads
 
 __all__ = ["clip_grad_norm", "clip_grad_norm_", "clip_grads_with_norm", "global_grad_norm"]
 
 PyTree = TypeVar("PyTree")
-PpDim = str | Sequence[str] | None
-GroupNorms = dict[str, torch.Tensor]
-PARTIAL_POLICIES = ("error", "reduce")
 
 
-@dataclasses.dataclass(frozen=True)
-class _NormOptions:
-    """How a norm is measured; every field is static Python."""
+@overload
+def global_grad_norm(
+    grads: Any,
+    mesh: DeviceMesh | None,
+    norm_type: float = 2.0,
+    *,
+    pp_dim: PpDim = None,
+    groups: None = None,
+    tied: TiedSpec | None = None,
+    partial: str = "error",
+    overflow_safe: bool = False,
+) -> torch.Tensor: ...
 
-    pp_dim: PpDim = None
-    groups: GroupSpec | None = None
-    tied: TiedSpec | None = None
-    partial: str = "error"
-    overflow_safe: bool = False
+
+@overload
+def global_grad_norm(
+    grads: Any,
+    mesh: DeviceMesh | None,
+    norm_type: float = 2.0,
+    *,
+    pp_dim: PpDim = None,
+    groups: GroupSpec,
+    tied: TiedSpec | None = None,
+    partial: str = "error",
+    overflow_safe: bool = False,
+) -> tuple[torch.Tensor, GroupNorms]: ...
 
 
 @torch.no_grad()
@@ -73,13 +84,17 @@ def global_grad_norm(
             parts of the model (pipeline stages). Default: ``"pp"`` if the mesh
             has such a dim, else none.
         groups: Optional ``{label: pattern}``; a leaf belongs to the first
-            group whose pattern (a substring of its pytree path, or a
-            predicate on the path) matches it. Each group's global norm is
-            computed in the same collective. Every rank must pass the same
-            labels.
-        tied: Optional ``{path substring: n}``: the leaf's gradient is held,
+            group whose pattern matches its dotted name (see the README's
+            "Names and patterns": ``"layers.0"`` matches
+            ``layers.0.attn.wq.weight``, not ``layers.01.w``), or a
+            predicate on the name. Each group's global norm is computed in
+            the same collective. Every rank must pass the same labels; a
+            group that matches no leaf on any rank gets a NaN norm.
+        tied: Optional ``{parameter name: n}``: the leaf's gradient is held,
             already summed and identical, by ``n`` pipeline stages (a tied
-            embedding and output head: ``n=2``); it is counted once.
+            embedding and output head: ``n=2``); it is counted once. Each
+            stage declares the tied parameters it holds: a name that matches
+            none of this rank's leaves raises.
         partial: ``"error"`` (default) rejects ``Partial`` DTensor leaves;
             ``"reduce"`` all-reduces their ``Partial("sum"/"avg")`` dims first,
             one extra collective per such leaf.
@@ -88,16 +103,22 @@ def global_grad_norm(
             Slower in eager mode on CPU.
 
     Returns:
-        A 0-dim float32 tensor (float64 if any leaf is float64) on the grads'
-        device, bitwise equal on every rank of ``mesh``. With ``groups``, a
-        pair ``(total_norm, {label: group_norm})``.
+        A 0-dim float32 tensor (float64 when ``torch.get_default_dtype()`` is
+        float64) on the grads' device, bitwise equal on every rank of
+        ``mesh``. NaN if any rank holds a NaN gradient, or failed (see
+        Raises). With ``groups``, a pair ``(total_norm, {label: group_norm})``.
 
     Raises:
-        TypeError: A leaf is not a real floating-point tensor, or an option
-            has the wrong type.
+        TypeError: A leaf is not a float16/bfloat16/float32/float64 tensor,
+            or an option has the wrong type.
         ValueError: ``norm_type`` is negative and finite, ``pp_dim`` is not a
             dim of ``mesh``, this rank or a leaf's mesh lies outside ``mesh``,
-            or a leaf has a ``Partial`` placement that cannot be handled.
+            a multi-dim world smaller than the process group was not
+            flattened up front, a ``tied`` name matches no leaf, or a leaf
+            has a ``Partial`` placement that cannot be handled. A rank that
+            raises after the arguments are known to be well-formed first
+            joins the collective, so that its peers get a NaN norm instead
+            of waiting for it.
 
     Example:
         >>> import torch
@@ -105,13 +126,13 @@ def global_grad_norm(
         >>> grads = {"w": torch.full((3,), 2.0), "b": None, "h": [torch.ones(4, 4)]}
         >>> global_grad_norm(grads, None)
         tensor(5.2915)
-        >>> global_grad_norm(grads, None, groups={"w": "['w']", "h": "['h']"})
+        >>> global_grad_norm(grads, None, groups={"w": "w", "h": "h"})
         (tensor(5.2915), {'w': tensor(3.4641), 'h': tensor(4.)})
     """
     kind = norm_kind(norm_type)
-    opts = _NormOptions(pp_dim, groups, tied, partial, overflow_safe)
-    _, total, group_norms = _measure(grads, "gradient", mesh, kind, opts)
-    return total if groups is None else (total, group_norms)
+    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe)
+    measured = measure(lambda: grads, grads, "gradient", mesh, kind, opts)
+    return measured.norms(groups is not None)
 
 
 @torch.no_grad()
@@ -158,8 +179,42 @@ def clip_grads_with_norm(
     if not isinstance(total_norm, torch.Tensor) or total_norm.dim() != 0:
         raise TypeError(f"total_norm must be a 0-dim tensor, got {total_norm!r}")
     leaves = flatten_grads(grads)
-    scaled = _apply(leaves.locals, max_norm, total_norm, eps, nonfinite, None, inplace=False)
+    scaled = _apply(leaves.shards, max_norm, total_norm, eps, nonfinite, None, inplace=False)
     return leaves.unflatten(_rewrap(leaves, scaled))
+
+
+@overload
+def clip_grad_norm(
+    grads: PyTree,
+    mesh: DeviceMesh | None,
+    max_norm: float | torch.Tensor,
+    norm_type: float = 2.0,
+    *,
+    pp_dim: PpDim = None,
+    eps: float = 1e-6,
+    groups: None = None,
+    tied: TiedSpec | None = None,
+    partial: str = "error",
+    nonfinite: str = "propagate",
+    overflow_safe: bool = False,
+) -> tuple[PyTree, torch.Tensor]: ...
+
+
+@overload
+def clip_grad_norm(
+    grads: PyTree,
+    mesh: DeviceMesh | None,
+    max_norm: float | torch.Tensor,
+    norm_type: float = 2.0,
+    *,
+    pp_dim: PpDim = None,
+    eps: float = 1e-6,
+    groups: GroupSpec,
+    tied: TiedSpec | None = None,
+    partial: str = "error",
+    nonfinite: str = "propagate",
+    overflow_safe: bool = False,
+) -> tuple[PyTree, torch.Tensor, GroupNorms]: ...
 
 
 @torch.no_grad()
@@ -221,11 +276,45 @@ def clip_grad_norm(
     """
     _check_clip_args(max_norm, eps, nonfinite)
     kind = norm_kind(norm_type)
-    opts = _NormOptions(pp_dim, groups, tied, partial, overflow_safe)
-    leaves, total, group_norms = _measure(grads, "gradient", mesh, kind, opts)
-    scaled = _apply(leaves.locals, max_norm, total, eps, nonfinite, kind.p, inplace=False)
-    clipped = leaves.unflatten(_rewrap(leaves, scaled))
-    return (clipped, total) if groups is None else (clipped, total, group_norms)
+    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe)
+    measured = measure(lambda: grads, grads, "gradient", mesh, kind, opts)
+    scaled = _apply(measured.leaves.shards, max_norm, measured.total, eps, nonfinite, kind.p, inplace=False)
+    clipped = measured.leaves.unflatten(_rewrap(measured.leaves, scaled))
+    return (clipped, *measured.norms(True)) if groups is not None else (clipped, measured.norms(False))
+
+
+@overload
+def clip_grad_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor] | Any,
+    mesh: DeviceMesh | None,
+    max_norm: float | torch.Tensor,
+    norm_type: float = 2.0,
+    *,
+    pp_dim: PpDim = None,
+    eps: float = 1e-6,
+    groups: None = None,
+    tied: TiedSpec | None = None,
+    partial: str = "error",
+    nonfinite: str = "propagate",
+    overflow_safe: bool = False,
+) -> torch.Tensor: ...
+
+
+@overload
+def clip_grad_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor] | Any,
+    mesh: DeviceMesh | None,
+    max_norm: float | torch.Tensor,
+    norm_type: float = 2.0,
+    *,
+    pp_dim: PpDim = None,
+    eps: float = 1e-6,
+    groups: GroupSpec,
+    tied: TiedSpec | None = None,
+    partial: str = "error",
+    nonfinite: str = "propagate",
+    overflow_safe: bool = False,
+) -> tuple[torch.Tensor, GroupNorms]: ...
 
 
 @torch.no_grad()
@@ -254,7 +343,8 @@ def clip_grad_norm_(
     Args:
         parameters: A tensor, an iterable of tensors (a generator works), or
             a pytree of them such as ``dict(model.named_parameters())`` (then
-            ``groups`` and ``tied`` patterns see the parameter names).
+            ``groups`` and ``tied`` patterns see the parameter names). An
+            already consumed generator warns.
         mesh: The world mesh, or ``None`` (see :func:`global_grad_norm`).
         max_norm: The largest norm allowed, a number or a 0-dim tensor.
         norm_type: ``p > 0``, ``0``, ``inf`` or ``-inf``.
@@ -289,16 +379,26 @@ def clip_grad_norm_(
     kind = norm_kind(norm_type)
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
+    elif isinstance(parameters, Iterator):
+        parameters = list(parameters)  # consumed once, here
+        if not parameters:
+            warnings.warn(
+                "clip_grad_norm_: `parameters` is an empty iterator (a generator that was already consumed?); "
+                "no gradient of this rank will be clipped",
+                stacklevel=3,
+            )
     elif not isinstance(parameters, (list, tuple, dict)) and isinstance(parameters, Iterable):
         parameters = list(parameters)
-    if isinstance(parameters, list):  # the common case, without tree_map's per-leaf overhead
-        grads = [_grad_of(p) for p in parameters]
-    else:
-        grads = pytree.tree_map(_grad_of, parameters)
-    opts = _NormOptions(pp_dim, groups, tied, partial, overflow_safe)
-    leaves, total, group_norms = _measure(grads, "parameter grad", mesh, kind, opts)
-    _apply(leaves.locals, max_norm, total, eps, nonfinite, kind.p, inplace=True)
-    return total if groups is None else (total, group_norms)
+
+    def read_grads() -> Any:
+        if isinstance(parameters, list):  # the common case, without tree_map's per-leaf overhead
+            return [_grad_of(p) for p in parameters]
+        return pytree.tree_map(_grad_of, parameters)
+
+    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe)
+    measured = measure(read_grads, parameters, "parameter grad", mesh, kind, opts)
+    _apply(measured.leaves.shards, max_norm, measured.total, eps, nonfinite, kind.p, inplace=True)
+    return measured.norms(groups is not None)
 
 
 def _grad_of(p: Any) -> torch.Tensor | None:
@@ -307,101 +407,6 @@ def _grad_of(p: Any) -> torch.Tensor | None:
     if not isinstance(p, torch.Tensor):
         raise TypeError(f"parameters must be tensors, got {type(p).__name__}")
     return p.grad
-
-
-def _measure(
-    grads: Any, what: str, mesh: DeviceMesh | None, kind: NormKind, opts: _NormOptions
-) -> tuple[Leaves, torch.Tensor, GroupNorms]:
-    """Flattens ``grads`` and returns the leaves, the total norm and each group's norm.
-
-    Exactly one statistics collective is issued, on every rank of the world,
-    whether or not this rank's input is valid: a rank that finds a bad leaf
-    (a check that depends on its own data, such as a ``Partial`` grad on one
-    pipeline stage only) first joins the collective with poisoned statistics,
-    then raises. Its peers never wait for it; they get a non-finite norm.
-    """
-    try:
-        leaves = flatten_grads(grads, what)
-        return (leaves, *_measure_leaves(leaves, mesh, kind, opts))
-    except (TypeError, ValueError):
-        _release_peers(mesh, kind, opts)
-        raise
-
-
-def _release_peers(mesh: DeviceMesh | None, kind: NormKind, opts: _NormOptions) -> None:
-    """Joins the statistics all-reduce with values that make the result non-finite on every rank.
-
-    Does nothing when there is no collective to join (no mesh, or the mesh,
-    ``pp_dim`` or ``groups`` arguments are themselves invalid: every rank then
-    raises the same error without a collective), or while tracing.
-    """
-    if not isinstance(mesh, DeviceMesh) or torch.compiler.is_compiling():
-        return
-    try:
-        world = resolve_world(mesh, pipeline_dims(mesh, opts.pp_dim), [])
-        n = len(check_groups(opts.groups)) + 1
-    except (TypeError, ValueError):
-        return
-    if world.group_name is None:
-        return
-    # NaN survives any order of additions; max/min need their absorbing infinity.
-    poison = {"sum": math.nan, "max": math.inf, "min": -math.inf}[kind.op]
-    width = 2 * n if kind.op == "min" else n
-    stats = torch.full((width,), poison, dtype=STAT_DTYPE, device=_mesh_device(mesh))
-    funcol.wait_tensor(all_reduce_statistics(stats, kind.op, world.group_name))
-
-
-def _measure_leaves(
-    leaves: Leaves, mesh: DeviceMesh | None, kind: NormKind, opts: _NormOptions
-) -> tuple[torch.Tensor, GroupNorms]:
-    """Returns the total norm and each group's norm, with exactly one statistics collective."""
-    if mesh is not None and not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
-    if opts.partial not in PARTIAL_POLICIES:
-        raise ValueError(f"partial must be one of {PARTIAL_POLICIES}, got {opts.partial!r}")
-    labels = check_groups(opts.groups)
-    check_tied(opts.tied)
-    pp = pipeline_dims(mesh, opts.pp_dim)
-
-    paths = leaves.paths() if (opts.groups or opts.tied) else None
-    tensors, locals_ = list(leaves.tensors), list(leaves.locals)
-    if opts.partial == "reduce":
-        for i, t in enumerate(tensors):
-            if isinstance(t, DTensor) and any(p.is_partial() for p in t.placements):
-                tensors[i] = _for_leaf(leaves, i, reduce_partial, t)
-                locals_[i] = tensors[i].to_local()
-    world = resolve_world(mesh, pp, [t.device_mesh for t in tensors if isinstance(t, DTensor)])
-    weights = [
-        1.0 / (_for_leaf(leaves, i, copies, world, t) * (tied_stages(paths[i], opts.tied) if paths else 1))
-        for i, t in enumerate(tensors)
-    ]
-    # Leaves in no group form one more group, so the total covers every leaf.
-    n = len(labels) + 1
-    group_of = [group_index(path, opts.groups) for path in paths] if opts.groups else [0] * len(tensors)
-    device = locals_[0].device if locals_ else _mesh_device(world.mesh)
-    stats = local_statistics(locals_, weights, group_of, n, kind, device, overflow_safe=opts.overflow_safe)
-    reduced = all_reduce_statistics(stats, kind.op, world.group_name)
-
-    if kind.op == "sum":
-        per_group, total = kind.root(reduced), kind.root(reduced.sum())
-    elif kind.op == "max":
-        per_group, total = reduced, reduced.max()
-    else:  # -inf: the second half flags (with -1) groups that hold an element on some rank
-        mins, present = reduced[:n], reduced[n:] < 0
-        zero = torch.zeros_like(mins)
-        per_group = torch.where(present, mins, zero)
-        total = torch.where(present.any(), mins.min(), zero[0])
-    out_dtype = torch.float64 if any(t.dtype == torch.float64 for t in locals_) else torch.float32
-    group_norms = {label: per_group[i].to(out_dtype) for i, label in enumerate(labels)}
-    return total.to(out_dtype), group_norms
-
-
-def _for_leaf(leaves: Leaves, i: int, fn: Any, *args: Any) -> Any:
-    """Calls ``fn(*args)`` about leaf ``i``; a ``ValueError`` it raises is re-raised naming the leaf."""
-    try:
-        return fn(*args)
-    except ValueError as e:
-        raise ValueError(f"gradient leaf {leaves.paths()[i]} {e}") from None
 
 
 def _apply(
@@ -414,15 +419,8 @@ def _apply(
     *,
     inplace: bool,
 ) -> list[torch.Tensor]:
-    keep = check_finite(total, norm_type, nonfinite)
+    keep = finite_mask(total, norm_type, nonfinite)
     return scale(locals_, clip_coefficient(max_norm, total, eps), inplace=inplace, keep=keep)
-
-
-def _mesh_device(mesh: DeviceMesh | None) -> torch.device:
-    if mesh is None or mesh.device_type == "cpu":
-        return torch.device("cpu")
-    module = getattr(torch, mesh.device_type)
-    return torch.device(mesh.device_type, module.current_device())
 
 
 def _rewrap(leaves: Leaves, new_locals: list[torch.Tensor]) -> list[torch.Tensor]:

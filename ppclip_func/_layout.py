@@ -53,7 +53,32 @@ class World:
     group_name: str | None
 
 
-_WORLDS: dict[tuple[DeviceMesh, tuple[int, ...]], World] = {}
+# Layout facts cached across calls. They belong to one process group: a group
+# destroyed and re-created in the same process (a notebook, an in-process
+# restart, elastic re-configuration, a test re-joining a fake world as another
+# rank) gives equal-looking meshes whose group names and ranks may now mean
+# something else, so the caches are dropped whenever the default group changes.
+_CACHE_OWNER: list[object] = [None]  # the default process group the caches below were filled under
+_WORLDS: dict[tuple, World] = {}
+# Keyed by mesh value: sub-meshes of different stages compare equal (same root
+# rank map and layout) but hold different ranks; a process is one rank of one
+# group, so it only ever sees its own.
+_MESH_RANKS: dict[DeviceMesh, list[int]] = {}
+# ``copies`` per (world, leaf mesh, placements): it depends on the layout, not
+# on the step, and working it out walks the leaf mesh's ranks (at 16K ranks and
+# 1000 leaves that was 0.4 s a call). Worlds are held by ``_WORLDS``, so their
+# ids stay theirs until the caches are dropped together.
+_COPIES: dict[tuple[int, DeviceMesh, tuple[Placement, ...]], int] = {}
+
+
+def _own_caches() -> None:
+    """Drops every cached layout fact if the default process group is not the one they were computed under."""
+    group = dist.group.WORLD if dist.is_initialized() else None
+    if group is not _CACHE_OWNER[0]:
+        _WORLDS.clear()
+        _MESH_RANKS.clear()
+        _COPIES.clear()
+        _CACHE_OWNER[0] = group
 
 
 def pipeline_dims(mesh: DeviceMesh | None, pp_dim: str | Sequence[str] | None) -> tuple[int, ...]:
@@ -84,27 +109,50 @@ def resolve_world(mesh: DeviceMesh | None, pp_dims: tuple[int, ...], leaf_meshes
     their own ranks as ``full_tensor()`` would; with no DTensor leaves there is
     nothing to reduce.
 
+    Host work does not grow with the number of ranks after the first call for
+    a given world: the world and the per-layout copy counts are cached.
+
     Raises:
-        ValueError: This rank is not in ``mesh``, or (with ``mesh=None``) the
-            leaf meshes do not nest in one of them.
+        ValueError: This rank is not in ``mesh``, (with ``mesh=None``) the
+            leaf meshes do not nest in one of them, or a multi-dim world
+            smaller than the process group has no process group of its own
+            (see :func:`_group_name`).
     """
+    if torch.compiler.is_compiling():
+        # Traced once; the caches are Python dicts keyed by meshes, which dynamo would guard on.
+        if mesh is None:
+            if not leaf_meshes:
+                return World(mesh=None, stage_size=1, rank_stage={}, group_name=None)
+            mesh = _largest_nesting(leaf_meshes)
+        return _make_world(mesh, pp_dims)
+    _own_caches()
     if mesh is None:
         if not leaf_meshes:
-            return World(mesh=None, stage_size=1, rank_stage={}, group_name=None)
-        mesh = max(leaf_meshes, key=lambda m: m.size())
-        ranks = set(_mesh_ranks(mesh))
-        for other in leaf_meshes:
-            if not ranks.issuperset(_mesh_ranks(other)):
-                raise ValueError(
-                    f"mesh=None but the DTensor leaves live on meshes that do not nest ({mesh} and {other}); "
-                    "pass the world mesh that spans all of them"
-                )
-    if torch.compiler.is_compiling():
-        return _make_world(mesh, pp_dims)
+            return _NO_WORLD
+        unique = tuple(dict.fromkeys(leaf_meshes))  # typically 1-3 meshes for 1000s of leaves
+        key: tuple = (None, unique, pp_dims)
+        if key not in _WORLDS:
+            _WORLDS[key] = _make_world(_largest_nesting(unique), pp_dims)
+        return _WORLDS[key]
     key = (mesh, pp_dims)
     if key not in _WORLDS:
         _WORLDS[key] = _make_world(mesh, pp_dims)
     return _WORLDS[key]
+
+
+_NO_WORLD = World(mesh=None, stage_size=1, rank_stage={}, group_name=None)
+
+
+def _largest_nesting(leaf_meshes: Sequence[DeviceMesh]) -> DeviceMesh:
+    mesh = max(leaf_meshes, key=lambda m: m.size())
+    ranks = set(_mesh_ranks(mesh))
+    for other in leaf_meshes:
+        if not ranks.issuperset(_mesh_ranks(other)):
+            raise ValueError(
+                f"mesh=None but the DTensor leaves live on meshes that do not nest ({mesh} and {other}); "
+                "pass the world mesh that spans all of them"
+            )
+    return mesh
 
 
 # Under torch.compile, dynamo would trace the rank table (``mesh.mesh.tolist()``)
@@ -139,33 +187,49 @@ def _coordinates(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
 
 
 def _group_name(mesh: DeviceMesh) -> str | None:
+    """Returns the name of a process group spanning exactly the ranks of ``mesh``; never creates one.
+
+    Creating a group is itself a collective over the whole default group (with
+    NCCL, and with torch's group numbering everywhere), so a group created at
+    clip time would hang or mis-number ranks that never reach the clip (a
+    frozen stage, a stage without DTensor grads). A 1-D mesh has its group, a
+    mesh spanning the default group uses it, and a smaller multi-dim mesh must
+    have been flattened beforehand, at a point every rank reaches.
+
+    Raises:
+        ValueError: ``mesh`` is multi-dim, smaller than the default group, and
+            not flattened yet.
+    """
     if mesh.size() == 1:
         return None
     if mesh.ndim == 1:
         return mesh.get_group().group_name
     if mesh.size() == dist.get_world_size():
         return dist.group.WORLD.group_name
-    # A multi-dim mesh smaller than the world has no group of its own yet;
-    # DeviceMesh creates (and caches) one for its flattened form.
-    return mesh._flatten().get_group().group_name
-
-
-# Keyed by mesh value: sub-meshes of different stages compare equal (same root
-# rank map and layout) but hold different ranks; a process is one rank, so it
-# only ever sees its own. (Tests that re-initialise a fake process group as
-# another rank clear these caches.)
-_MESH_RANKS: dict[DeviceMesh, list[int]] = {}
+    ranks = sorted(_mesh_ranks(mesh))
+    for flat in mesh._get_root_mesh()._flatten_mapping.values():
+        if sorted(_mesh_ranks(flat)) == ranks:
+            return flat.get_group().group_name
+    names = mesh.mesh_dim_names
+    raise ValueError(
+        f"the clip reduces over the mesh {names} of {mesh.size()} of the {dist.get_world_size()} ranks, which has "
+        "no process group of its own, and creating one inside the clip could hang the ranks that do not call it. "
+        f"Pass the world mesh that spans every rank (mesh=world_mesh), or create the group once, on every rank, "
+        f"before training: world_mesh[{', '.join(map(repr, names or ()))}]._flatten()"
+    )
 
 
 @torch.compiler.assume_constant_result
 def _mesh_ranks(mesh: DeviceMesh) -> list[int]:
     # Cached: reading ``mesh.mesh`` builds a tensor, per leaf and per step otherwise.
+    # Under torch.compile this runs at trace time, outside resolve_world's check.
+    _own_caches()
     if mesh not in _MESH_RANKS:
         _MESH_RANKS[mesh] = mesh.mesh.flatten().tolist()
     return _MESH_RANKS[mesh]
 
 
-def copies(world: World, leaf: torch.Tensor) -> int:
+def count_copies(world: World, leaf: torch.Tensor) -> int:
     """Returns how many ranks of the world hold each element of ``leaf``.
 
     Raises:
@@ -173,8 +237,14 @@ def copies(world: World, leaf: torch.Tensor) -> int:
     """
     if not isinstance(leaf, DTensor):
         return world.stage_size
-    mesh = leaf.device_mesh
-    return replica_count(world, _mesh_ranks(mesh), tuple(mesh.shape), tuple(leaf.placements))
+    mesh, placements = leaf.device_mesh, tuple(leaf.placements)
+    if torch.compiler.is_compiling():
+        return replica_count(world, _mesh_ranks(mesh), tuple(mesh.shape), placements)
+    key = (id(world), mesh, placements)
+    n = _COPIES.get(key)
+    if n is None:
+        n = _COPIES[key] = replica_count(world, _mesh_ranks(mesh), tuple(mesh.shape), placements)
+    return n
 
 
 def replica_count(world: World, ranks: Sequence[int], shape: tuple[int, ...], placements: Sequence[Placement]) -> int:

@@ -20,7 +20,7 @@ from collections import defaultdict
 
 import torch
 
-from ._norms import NormKind
+from ._norms import ABSENT, HAS_ELEMENT, HAS_LEAF, NormKind
 
 __all__: list[str] = []
 
@@ -102,15 +102,13 @@ def local_statistics(
         overflow_safe: Accumulate every leaf in float64 (see :func:`leaf_norms`).
 
     Returns:
-        A float64 vector. For sum and max norms it has ``n_groups`` entries.
-        For ``-inf`` it has ``2 * n_groups``: the minima, then ``-1`` where
-        this rank holds an element of the group (``0`` where not), so that a
-        single ``min`` all-reduce also says whether a group is empty everywhere.
+        A float64 vector of ``2 * n_groups`` values, as :meth:`NormKind.encode`
+        lays them out: each group's statistic, then what this rank holds of it.
     """
-    width = 2 * n_groups if kind.op == "min" else n_groups
-    out = torch.full((width,), kind.identity, dtype=STAT_DTYPE, device=device)
-    if kind.op == "min":
-        out[n_groups:] = 0.0
+    stats = torch.full((n_groups,), kind.identity, dtype=STAT_DTYPE, device=device)
+    levels = [ABSENT] * n_groups  # static facts (shapes), known on the host
+    for i, t in enumerate(tensors):
+        levels[groups[i]] = max(levels[groups[i]], HAS_ELEMENT if t.numel() > 0 else HAS_LEAF)
     live = [i for i, t in enumerate(tensors) if t.numel() > 0]
     norms = leaf_norms([tensors[i] for i in live], kind, overflow_safe=overflow_safe)
 
@@ -126,20 +124,8 @@ def local_statistics(
         parts = [r.to(STAT_DTYPE) for r in rows]
         if scalars:
             parts.append(torch.stack(scalars).to(STAT_DTYPE))
-        stats = kind.power(parts[0] if len(parts) == 1 else torch.cat(parts))
-        if kind.op == "sum":
-            per_group[g].append(stats.sum() * weight)
-        elif kind.op == "max":
-            per_group[g].append(stats.max())
-        else:
-            per_group[g].append(stats.min())
+        combined = kind.combine(kind.power(parts[0] if len(parts) == 1 else torch.cat(parts)))
+        per_group[g].append(combined * weight if kind.op == "sum" else combined)
     for g, parts in per_group.items():
-        stacked = torch.stack(parts)
-        if kind.op == "sum":
-            out[g] = stacked.sum()
-        elif kind.op == "max":
-            out[g] = stacked.max()
-        else:
-            out[g] = stacked.min()
-            out[n_groups + g] = -1.0
-    return out
+        stats[g] = kind.combine(torch.stack(parts))
+    return kind.encode(stats, torch.tensor(levels, dtype=STAT_DTYPE, device=device))

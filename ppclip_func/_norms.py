@@ -28,9 +28,27 @@ import torch
 __all__: list[str] = []
 
 
+# What a rank knows about one group before the collective, as a level that the
+# all-reduce combines with the same op as the statistics themselves.
+ABSENT, HAS_LEAF, HAS_ELEMENT, HAS_NAN = 0.0, 1.0, 2.0, 3.0
+
+
 @dataclasses.dataclass(frozen=True)
 class NormKind:
-    """How one ``norm_type`` is computed and combined.
+    """How one ``norm_type`` is computed, combined across ranks and finished.
+
+    Every per-norm-type decision lives here: the local combine, what crosses
+    ranks, and how the reduced vector becomes norms.
+
+    What crosses ranks, for ``n`` groups, is ``2 * n`` float64 values: each
+    group's statistic, then each group's level (``ABSENT`` < ``HAS_LEAF`` <
+    ``HAS_ELEMENT`` < ``HAS_NAN``), combined with the same op. The levels
+    say, after one collective, whether any rank held a leaf of the group (a
+    group that matches no leaf anywhere reports NaN rather than a norm of 0),
+    whether any rank held an element (the ``-inf`` norm of nothing is 0), and
+    whether any rank saw a NaN. The last matters for ``max``/``min``: an
+    all-reduce max or min (gloo's, NCCL's fmax-style ones) drops a NaN unless
+    it comes first, so a NaN is sent as a level and the statistic as ``±inf``.
 
     Attributes:
         p: The norm order as a float.
@@ -56,6 +74,51 @@ class NormKind:
         if self.op == "sum" and self.p not in (0.0, 1.0):
             return total.pow(1.0 / self.p)
         return total
+
+    def combine(self, stats: torch.Tensor) -> torch.Tensor:
+        """Combines a vector of statistics into one, locally; a NaN anywhere gives NaN."""
+        if self.op == "sum":
+            return stats.sum()
+        return stats.amax() if self.op == "max" else stats.amin()
+
+    def encode(self, stats: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+        """Returns this rank's ``2 * n`` values for the all-reduce: statistics, then signed levels.
+
+        ``levels`` are ``ABSENT``/``HAS_LEAF``/``HAS_ELEMENT`` per group; a
+        NaN statistic raises its group's level to ``HAS_NAN``.
+        """
+        nan = torch.isnan(stats)
+        levels = torch.where(nan, HAS_NAN, levels)
+        if self.op != "sum":  # the all-reduce would drop the NaN: carry it in the level
+            stats = torch.where(nan, math.inf if self.op == "max" else -math.inf, stats)
+        return torch.cat([stats, -levels if self.op == "min" else levels])
+
+    def poison(self, n_groups: int, device: torch.device) -> torch.Tensor:
+        """What a rank that cannot compute its statistics sends: every group's norm becomes NaN on every rank."""
+        nan = torch.full((n_groups,), math.nan, dtype=torch.float64, device=device)
+        return self.encode(nan, torch.full_like(nan, HAS_NAN))
+
+    def decode(self, reduced: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(per-group norms, total norm)`` from the all-reduced vector, in float64.
+
+        The total covers every group. A group that no rank holds a leaf of
+        gets NaN; a NaN on any rank makes its group's norm and the total NaN.
+        """
+        n = reduced.numel() // 2
+        stats, levels = reduced[:n], reduced[n:].abs()
+        nan = torch.full_like(stats, math.nan)
+        if self.op == "sum":  # sums carry NaN by themselves; a level sum > 0 means some rank had a leaf
+            per_group = torch.where(levels > 0, self.root(stats), nan)
+            return per_group, self.root(stats.sum())
+        seen_nan = levels >= HAS_NAN
+        if self.op == "max":
+            values, total = stats, stats.amax()
+        else:  # the -inf norm of no element is 0, as for an empty tensor
+            has_element = levels >= HAS_ELEMENT
+            values = torch.where(has_element, stats, 0.0)
+            total = torch.where(has_element.any(), stats.amin(), 0.0)
+        per_group = torch.where(seen_nan, nan, torch.where(levels >= HAS_LEAF, values, nan))
+        return per_group, torch.where(seen_nan.any(), math.nan, total)
 
 
 def norm_kind(norm_type: float) -> NormKind:

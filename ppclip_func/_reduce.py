@@ -24,22 +24,108 @@ afterwards is the same arithmetic on the same bits.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed._functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
+from torch.utils import _pytree as pytree
+
+from ._layout import World, pipeline_dims, resolve_world
+from ._norms import NormKind, norm_kind
 
 __all__: list[str] = []
 
 
-def all_reduce_statistics(stats: torch.Tensor, op: str, group_name: str | None) -> torch.Tensor:
-    """Combines every rank's statistics with ``op`` (``"sum"``, ``"max"`` or ``"min"``).
+def all_reduce_statistics(stats: torch.Tensor, kind: NormKind, world: World) -> torch.Tensor:
+    """Combines every rank's statistics with ``kind.op`` over ``world``; the result is on ``stats``' device.
 
-    With ``group_name=None`` (nothing distributed) the statistics are returned
-    as they are and no collective is issued.
+    With no group (nothing distributed) the statistics are returned as they
+    are and no collective is issued. The collective runs on the device the
+    world mesh's backend needs (:func:`collective_device`), which can differ
+    from the gradients' (FSDP2 CPU offload keeps grads on the host while the
+    mesh, and NCCL, are on the GPU).
     """
-    if group_name is None:
+    if world.group_name is None:
         return stats
-    return funcol.all_reduce(stats, op, group_name)
+    device = collective_device(world.mesh, stats.device)
+    reduced = funcol.all_reduce(stats.to(device), kind.op, world.group_name)
+    return reduced.to(stats.device)
+
+
+def collective_device(mesh: DeviceMesh | None, device: torch.device) -> torch.device:
+    """Returns where a collective over ``mesh`` must run for data that lives on ``device``.
+
+    On ``device`` itself when its type is the mesh's device type (or there is
+    no mesh); else on the mesh's device type (its current device, as
+    DeviceMesh and DTensor use it).
+    """
+    if mesh is None or mesh.device_type == device.type:
+        return device
+    return mesh_device(mesh)
+
+
+def mesh_device(mesh: DeviceMesh | None) -> torch.device:
+    """Returns the device this rank uses for ``mesh``: CPU for no mesh or a CPU mesh."""
+    if mesh is None or mesh.device_type == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, mesh.device_type)
+    return torch.device(mesh.device_type, module.current_device())
+
+
+def release_peers(mesh: DeviceMesh | None, grads: Any, kind: NormKind, pp_dim: Any, n_groups: int) -> None:
+    """Joins the statistics all-reduce with a poison that makes every group's norm NaN on every rank.
+
+    Called by a rank that failed before its collective, whatever the error,
+    so that its peers, which cannot know, never wait for it. Does nothing
+    when there is no collective to join: no mesh and no DTensor leaf, or the
+    world itself cannot be resolved (then every rank of that world fails
+    alike, before any collective).
+
+    Under ``torch.compile`` the join runs for real, at trace time: a rank
+    whose input fails validation fails while tracing, so the join cannot
+    wait for a graph, while its peers, running their compiled graph, are
+    already in the all-reduce.
+
+    Args:
+        mesh: The caller's world mesh argument, or ``None``.
+        grads: What the caller was given (gradients or parameters); with
+            ``mesh=None`` its DTensor leaves name the world, as in the clip.
+        kind: The norm being computed.
+        pp_dim: The caller's ``pp_dim`` argument.
+        n_groups: Number of groups, including the one for leaves in no group.
+    """
+    leaf_meshes = (
+        [] if mesh is not None else [x.device_mesh for x in pytree.tree_leaves(grads) if isinstance(x, DTensor)]
+    )
+    if torch.compiler.is_compiling():
+        _join_at_trace_time(mesh, tuple(leaf_meshes), kind.p, pp_dim, n_groups)
+    else:
+        _join(mesh, leaf_meshes, kind, pp_dim, n_groups)
+
+
+@torch.compiler.assume_constant_result
+def _join_at_trace_time(mesh: Any, leaf_meshes: Any, p: float, pp_dim: Any, n_groups: int) -> bool:
+    # Dynamo calls this with the real arguments (plain values: it does not pass
+    # a NormKind through intact) and runs it eagerly; tensors made while
+    # tracing are fake, so the poison is made outside the fake mode.
+    with torch._subclasses.fake_tensor.unset_fake_temporarily():
+        _join(mesh, list(leaf_meshes), norm_kind(p), pp_dim, n_groups)
+    return True
+
+
+def _join(mesh: Any, leaf_meshes: list, kind: NormKind, pp_dim: Any, n_groups: int) -> None:
+    try:
+        if mesh is not None and not isinstance(mesh, DeviceMesh):
+            return
+        world = resolve_world(mesh, pipeline_dims(mesh, pp_dim), leaf_meshes)
+    except Exception:
+        return
+    if world.group_name is None:
+        return
+    stats = kind.poison(n_groups, mesh_device(world.mesh))
+    funcol.wait_tensor(all_reduce_statistics(stats, kind, world))
 
 
 def reduce_partial(leaf: DTensor) -> DTensor:

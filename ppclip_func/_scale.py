@@ -17,11 +17,14 @@ def clip_coefficient(max_norm: float | torch.Tensor, total_norm: torch.Tensor, e
     Clamping instead of ``if total_norm > max_norm`` keeps the decision on
     the device: a Python ``if`` on a tensor would need a device-to-host sync
     every step, and a graph break under ``torch.compile``.
+
+    The coefficient has ``total_norm``'s dtype; :func:`scale` rounds it once
+    to each gradient's compute dtype.
     """
     return torch.clamp(max_norm / (total_norm + eps), max=1.0)
 
 
-def check_finite(total_norm: torch.Tensor, norm_type: float | None, nonfinite: str) -> torch.Tensor | None:
+def finite_mask(total_norm: torch.Tensor, norm_type: float | None, nonfinite: str) -> torch.Tensor | None:
     """Applies the ``nonfinite`` policy to the total norm before any gradient is scaled.
 
     Returns:
@@ -80,9 +83,9 @@ def scale(
     for i, t in enumerate(tensors):
         buckets[(t.device, t.dtype)].append(i)
     out: list[torch.Tensor] = list(tensors)
-    for (device, _), idx in buckets.items():
+    for (device, dtype), idx in buckets.items():
         group = [tensors[i] for i in idx]
-        c = coef.to(device)
+        c = coef.to(device, torch.float64 if dtype == torch.float64 else torch.float32)
         k = None if keep is None else keep.to(device)
         if inplace:
             torch._foreach_mul_(group, c)

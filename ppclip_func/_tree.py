@@ -17,6 +17,8 @@ from torch.utils import _pytree as pytree
 
 __all__: list[str] = []
 
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
 
 @dataclasses.dataclass
 class Leaves:
@@ -28,7 +30,7 @@ class Leaves:
         spec: The tree structure.
         index: Position in ``flat`` of each tensor leaf.
         tensors: The tensor leaves (``torch.Tensor`` or ``DTensor``).
-        locals: The local shard of each leaf (the leaf itself for plain tensors).
+        shards: The local shard of each leaf (the leaf itself for plain tensors).
     """
 
     tree: Any
@@ -36,7 +38,7 @@ class Leaves:
     spec: pytree.TreeSpec
     index: list[int]
     tensors: list[torch.Tensor]
-    locals: list[torch.Tensor]
+    shards: list[torch.Tensor]
 
     def paths(self) -> list[str]:
         """Returns the pytree path of each tensor leaf, as ``keystr`` prints it.
@@ -45,6 +47,17 @@ class Leaves:
         paths cost more than the flattening itself on a tree of many leaves.
         """
         every = _paths(self.tree)
+        return [every[i] for i in self.index]
+
+    def names(self) -> list[str]:
+        """Returns the dotted name of each tensor leaf: its keys joined by ``.``.
+
+        For ``dict(model.named_parameters())`` that is the parameter name
+        (``layers.0.attn.wq.weight``); for a list, the index (``3``); for
+        nested containers, the keys on the way (``blocks.0.w``). ``groups``
+        and ``tied`` patterns match these.
+        """
+        every = [".".join(_key_name(k) for k in path) for path, _ in pytree.tree_flatten_with_path(self.tree)[0]]
         return [every[i] for i in self.index]
 
     def unflatten(self, new_tensors: list[torch.Tensor]) -> Any:
@@ -59,8 +72,8 @@ def flatten_grads(grads: Any, what: str = "gradient") -> Leaves:
     """Flattens ``grads`` and checks each leaf.
 
     Raises:
-        TypeError: A leaf is neither a tensor nor ``None``, or is not a real
-            floating-point tensor.
+        TypeError: A leaf is neither a tensor nor ``None``, or its dtype is
+            not float16, bfloat16, float32 or float64.
         ValueError: Leaves sit on different devices.
     """
     flat, spec = pytree.tree_flatten(grads)
@@ -71,10 +84,11 @@ def flatten_grads(grads: Any, what: str = "gradient") -> Leaves:
         if not isinstance(leaf, torch.Tensor):
             name = _paths(grads)[i]
             raise TypeError(f"{what} leaf {name} must be a torch.Tensor, a DTensor or None, got {type(leaf).__name__}")
-        if not leaf.is_floating_point():
+        if leaf.dtype not in SUPPORTED_DTYPES:
             name = _paths(grads)[i]
             raise TypeError(
-                f"{what} leaf {name} has dtype {leaf.dtype}; only real floating-point gradients have a norm here"
+                f"{what} leaf {name} has dtype {leaf.dtype}; only float16, bfloat16, float32 and float64 "
+                "gradients have a norm here (float8 grads have no norm or foreach kernels: upcast them first)"
             )
         local = leaf.to_local() if isinstance(leaf, DTensor) else leaf
         if locals_ and local.device != locals_[0].device:
@@ -86,9 +100,16 @@ def flatten_grads(grads: Any, what: str = "gradient") -> Leaves:
         index.append(i)
         tensors.append(leaf)
         locals_.append(local)
-    return Leaves(tree=grads, flat=flat, spec=spec, index=index, tensors=tensors, locals=locals_)
+    return Leaves(tree=grads, flat=flat, spec=spec, index=index, tensors=tensors, shards=locals_)
 
 
 def _paths(tree: Any) -> list[str]:
     """Returns the ``keystr`` path of every leaf of ``tree`` (``<root>`` for a bare leaf)."""
     return [pytree.keystr(path) or "<root>" for path, _ in pytree.tree_flatten_with_path(tree)[0]]
+
+
+def _key_name(key: Any) -> str:
+    for attr in ("key", "idx", "name"):  # MappingKey, SequenceKey, GetAttrKey
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)

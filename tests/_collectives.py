@@ -19,12 +19,17 @@ class CollectiveCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops: list[str] = []
+        self.groups: list[str] = []  # the group name each functional collective was issued on
+        self.devices: list[str] = []  # the device of its input
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         ns = func.namespace
         name = func._schema.name.split("::")[-1]
         if ns in _COLLECTIVE_NAMESPACES and name not in _NOT_COLLECTIVES:
             self.ops.append(f"{ns}.{name}")
+            if ns == "_c10d_functional":
+                self.groups.append(args[-1] if isinstance(args[-1], str) else kwargs["group_name"])
+                self.devices.append(str(args[0].device))
         return func(*args, **(kwargs or {}))
 
     @property

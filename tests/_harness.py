@@ -218,8 +218,13 @@ def _case_worker(rank: int, world_size: int, cases: list, case_timeout: float) -
                 healthy = ""
             if not all(_post(store, f"health/{name}", rank, world_size, healthy, case_timeout)):
                 broken_by = name
-    # Rank 0 hosts the store: it must outlive every other rank's last read.
+    # Rank 0 hosts the store: it must outlive every other rank's last read,
+    # including the reads of "done" itself (under load a rank may still be
+    # reading when rank 0 has read everything and would exit).
     _post(store, "done", rank, world_size, "done", case_timeout)
+    store.set(f"left/{rank}", "1")
+    if rank == 0:
+        store.wait([f"left/{r}" for r in range(world_size)], datetime.timedelta(seconds=2 * case_timeout))
     return outcomes
 
 

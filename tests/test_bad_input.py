@@ -57,7 +57,7 @@ def test_non_float_leaf_is_a_type_error_naming_the_path(leaf, match):
         ({"nonfinite": "ignore"}, ValueError, "nonfinite must be one of"),
         ({"partial": "allow"}, ValueError, "partial must be one of"),
         ({"groups": ["a"]}, TypeError, "groups must map labels"),
-        ({"groups": {"a": 3}}, TypeError, r"groups\['a'\] must be a path substring or a callable"),
+        ({"groups": {"a": 3}}, TypeError, r"groups\['a'\] must be a name pattern or a callable"),
         ({"tied": {"emb": 0}}, ValueError, r"tied\['emb'\] must be the number of stages"),
         ({"pp_dim": "pp"}, ValueError, "pp_dim='pp' was given but mesh is None"),
     ],
@@ -122,6 +122,7 @@ def test_mesh_without_this_rank_is_a_value_error():
 def test_dtensor_on_a_foreign_mesh_is_a_value_error_naming_the_leaf():
     with fake_world(8, rank=1):
         world = DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("pp", "dp"))
+        world._flatten()  # a world smaller than the process group needs its group made up front
         foreign = DeviceMesh("cpu", [1, 5])
         leaf = DTensor.from_local(torch.ones(2), foreign, [Shard(0)], run_check=False)
         with (
@@ -172,3 +173,24 @@ def test_replicate_dtensor_on_world_with_no_pp_is_weighted_by_its_replicas():
         mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
         leaf = DTensor.from_local(torch.full((4,), 2.0), mesh, [Replicate()], run_check=False)
         assert float(global_grad_norm([leaf], mesh)) == pytest.approx(math.sqrt(16.0 / 4))
+
+
+def test_an_exhausted_generator_of_parameters_warns():
+    model = torch.nn.Linear(2, 1)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 10.0)
+    params = model.parameters()
+    list(params)  # consumed earlier, e.g. by an optimizer built from the same generator
+    with pytest.warns(UserWarning, match="empty iterator .* no gradient of this rank will be clipped"):
+        total = clip_grad_norm_(params, None, 1.0)
+    assert float(total) == 0.0
+
+
+def test_a_list_of_parameters_without_grads_does_not_warn(recwarn):
+    clip_grad_norm_([torch.nn.Parameter(torch.ones(2))], None, 1.0)
+    assert not recwarn.list
+
+
+def test_float8_grads_are_a_type_error_naming_the_leaf():
+    with pytest.raises(TypeError, match=r"leaf \['f8'\] has dtype torch.float8_e5m2; only float16"):
+        global_grad_norm({"f8": torch.ones(2).to(torch.float8_e5m2)}, None)

@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils import _pytree as pytree
 
-from ppclip_func import _layout, clip_grad_norm, clip_grad_norm_
+from ppclip_func import clip_grad_norm, clip_grad_norm_
 from tests._fake_pg import fake_world
 
 NORM_TYPES = (2.0, 1.0, 3.5, 0.0, math.inf, -math.inf)
@@ -73,11 +73,6 @@ def world_mesh(world_size: int, rank: int = 0, layout: tuple | None = None) -> I
             yield init_device_mesh("cpu", shape, mesh_dim_names=names)
         finally:
             torch._dynamo.reset()
-            # The layout caches key meshes by value (ranks, shape, names), and a
-            # sub-mesh's ranks depend on which rank asks: a world re-created as
-            # another rank must not see the last one's entries.
-            _layout._MESH_RANKS.clear()
-            _layout._WORLDS.clear()
 
 
 def _dtensor(local: torch.Tensor, mesh: DeviceMesh, placements: list, shape: tuple[int, ...]) -> DTensor:
@@ -376,10 +371,11 @@ def _trace_at(world_size: int, rank: int, stage_world: bool = False) -> tuple[st
         meshes = LayoutMeshes.of(mesh)
         trees = layout_trees(meshes, seed=0)
         world, grads = (meshes.fsdp_tp, trees["pp_fsdp_tp"]) if stage_world else (mesh, trees)
+        # A multi-dim world smaller than the process group reduces over its flattened group, made up front.
+        group = world._flatten().get_group().group_name if stage_world else dist.group.WORLD.group_name
         compiled, backend = compile_pure(world, 2.0)
         compiled(grads, torch.tensor(1.0))
         assert_one_graph_one_collective(backend)
-        group = world._flatten().get_group().group_name if stage_world else dist.group.WORLD.group_name
         return backend.dynamo[0].code, backend.aten[0].code, graph_constants(backend.aten[0]), group
 
 

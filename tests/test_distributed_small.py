@@ -53,19 +53,20 @@ def _worker(rank: int, world_size: int) -> int:
             model = {s: f for s, f in gathered}  # one entry per stage: dedupe dp replicas
             all_full = [t for s in sorted(model) for t in model[s].values()]
             for norm_type in NORM_TYPES:
-                max_norm = 0.7
+                expected = reference_norm(all_full, norm_type)
+                assert expected > 0, (norm_type, expected)
+                max_norm = expected / 2  # the clip always scales: the check below is not vacuous
                 with CollectiveCounter() as counter:
                     clipped, total = clip_grad_norm(local, mesh, max_norm, norm_type)
                 assert counter.count == 1, f"expected one collective, saw {counter.ops}"
 
-                expected = reference_norm(all_full, norm_type)
                 assert_close_rel(float(total), expected, 1e-6 if dtype == torch.float32 else 1e-5)
                 bits: list = [None] * world_size
                 dist.all_gather_object(bits, norm_bits(total))
                 assert len(set(bits)) == 1, f"norm differs across ranks: {bits}"
 
                 coef = reference_coefficient(expected, max_norm)
-                assert coef < 1.0 or norm_type in (-math.inf, 0.0) or expected <= max_norm
+                assert coef < 0.51, coef
                 for name, leaf in clipped.items():
                     if leaf is None:
                         continue

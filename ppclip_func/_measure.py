@@ -1,0 +1,136 @@
+"""Measuring the global norm: from a gradient pytree to the one collective and back.
+
+The public functions in ``_api`` all go through :func:`measure`: read the
+gradients, check them, weigh each leaf by its layout, reduce the weighted
+local statistics in one all-reduce, and decode the result. Any failure
+before the collective still joins it (:func:`release_peers`), so no peer
+waits for a rank that raised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from ._layout import count_copies, pipeline_dims, resolve_world
+from ._local import local_statistics
+from ._norms import NormKind
+from ._paths import GroupSpec, TiedSpec, check_groups, check_tied, group_index, tied_stages
+from ._reduce import all_reduce_statistics, mesh_device, reduce_partial, release_peers
+from ._tree import Leaves, flatten_grads
+
+__all__: list[str] = []
+
+PpDim = str | Sequence[str] | None
+GroupNorms = dict[str, torch.Tensor]
+PARTIAL_POLICIES = ("error", "reduce")
+
+
+@dataclasses.dataclass(frozen=True)
+class NormOptions:
+    """How a norm is measured; every field is static Python."""
+
+    pp_dim: PpDim = None
+    groups: GroupSpec | None = None
+    tied: TiedSpec | None = None
+    partial: str = "error"
+    overflow_safe: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """A measured norm: the leaves it read, the total and each group's norm."""
+
+    leaves: Leaves
+    total: torch.Tensor
+    per_group: dict[str, torch.Tensor]
+
+    def norms(self, with_groups: bool) -> torch.Tensor | tuple[torch.Tensor, GroupNorms]:
+        """Returns the public result: the total, and the groups' norms if asked for."""
+        return (self.total, self.per_group) if with_groups else self.total
+
+
+def _norm_dtype() -> torch.dtype:
+    """float32, or float64 when torch's default dtype is.
+
+    Something every rank shares, so that every rank rounds the same reduced
+    bits the same way (a stage's own leaf dtypes would not be). The clip
+    coefficient is computed from this rounded norm, so a two-step clip
+    (``global_grad_norm``, then ``clip_grads_with_norm``) equals the one-step
+    clip bit for bit.
+    """
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def measure(
+    read_grads: Callable[[], Any], given: Any, what: str, mesh: DeviceMesh | None, kind: NormKind, opts: NormOptions
+) -> Measured:
+    """Reads and flattens the gradients and measures the total and each group's norm, with one collective.
+
+    Exactly one statistics collective is issued, on every rank of the world,
+    whether or not this rank's input is valid: a rank that fails before the
+    collective, for any reason (a bad leaf on one pipeline stage only, a
+    kernel that rejects its dtype), first joins the collective with poisoned
+    statistics (:func:`release_peers`), then raises. Its peers never wait
+    for it; they get a NaN norm.
+    """
+    try:
+        leaves = flatten_grads(read_grads(), what)
+        world, stats, labels = _local_part(leaves, mesh, kind, opts)
+    except Exception:
+        release_peers(mesh, given, kind, opts.pp_dim, _n_groups(opts.groups))
+        raise
+    per_group, total = kind.decode(all_reduce_statistics(stats, kind, world))
+    dtype = _norm_dtype()
+    return Measured(leaves, total.to(dtype), {label: per_group[i].to(dtype) for i, label in enumerate(labels)})
+
+
+def _n_groups(groups: GroupSpec | None) -> int:
+    try:
+        return len(check_groups(groups)) + 1
+    except (TypeError, ValueError):
+        return 1  # every rank raises the same error before any collective
+
+
+def _local_part(leaves: Leaves, mesh: DeviceMesh | None, kind: NormKind, opts: NormOptions):
+    """Returns the world, this rank's encoded statistics and the group labels; no collective but ``partial``'s."""
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
+    if opts.partial not in PARTIAL_POLICIES:
+        raise ValueError(f"partial must be one of {PARTIAL_POLICIES}, got {opts.partial!r}")
+    labels = check_groups(opts.groups)
+    check_tied(opts.tied)
+    pp = pipeline_dims(mesh, opts.pp_dim)
+
+    names = leaves.names() if (opts.groups or opts.tied) else None
+    tensors, shards = list(leaves.tensors), list(leaves.shards)
+    if opts.partial == "reduce":
+        for i, t in enumerate(tensors):
+            if isinstance(t, DTensor) and any(p.is_partial() for p in t.placements):
+                tensors[i] = _for_leaf(leaves, i, reduce_partial, t)
+                shards[i] = tensors[i].to_local()
+    world = resolve_world(mesh, pp, [t.device_mesh for t in tensors if isinstance(t, DTensor)])
+    stages = tied_stages(names, opts.tied) if names is not None else None
+    weights = [
+        1.0 / (_for_leaf(leaves, i, count_copies, world, t) * (stages[i] if stages else 1))
+        for i, t in enumerate(tensors)
+    ]
+    # Leaves in no group form one more group, so the total covers every leaf.
+    n = len(labels) + 1
+    group_of = [group_index(name, opts.groups) for name in names] if opts.groups else [0] * len(tensors)
+    device = shards[0].device if shards else mesh_device(world.mesh)
+    stats = local_statistics(shards, weights, group_of, n, kind, device, overflow_safe=opts.overflow_safe)
+    return world, stats, labels
+
+
+def _for_leaf(leaves: Leaves, i: int, fn: Any, *args: Any) -> Any:
+    """Calls ``fn(*args)`` about leaf ``i``; a ``ValueError`` it raises is re-raised naming the leaf."""
+    try:
+        return fn(*args)
+    except ValueError as e:
+        raise ValueError(f"gradient leaf {leaves.paths()[i]} {e}") from None
