@@ -17,7 +17,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ._layout import count_copies, pipeline_dims, resolve_world
+from ._layout import World, count_copies, pipeline_dims, resolve_world
 from ._local import local_statistics
 from ._norms import NormKind
 from ._paths import GroupSpec, TiedSpec, check_groups, check_tied, group_index, tied_stages
@@ -97,7 +97,9 @@ def _n_groups(groups: GroupSpec | None) -> int:
         return 1  # every rank raises the same error before any collective
 
 
-def _local_part(leaves: Leaves, mesh: DeviceMesh | None, kind: NormKind, opts: NormOptions):
+def _local_part(
+    leaves: Leaves, mesh: DeviceMesh | None, kind: NormKind, opts: NormOptions
+) -> tuple[World, torch.Tensor, list[str]]:
     """Returns the world, this rank's encoded statistics and the group labels; no collective but ``partial``'s."""
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
