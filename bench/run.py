@@ -10,8 +10,10 @@ Studies (each a module ``bench/<name>_study.py`` with ``run(quick, out) -> dict`
 1. ``bandwidth``: one process, GPT-2 shapes, fp32/bf16; torch and ours, eager and
    compiled, against the memory-bandwidth bound measured in the same run.
 2. ``leaves``: one process, 100 → 10 000 leaves; plain tensors and DTensors.
-3. ``distributed``: 4 and 8 gloo ranks, PP × FSDP2 × TP DTensor grads; ours vs
-   the torchtitan-style clip, time and counted collectives per clip.
+3. ``distributed``: 4 and 8 gloo ranks, PP × FSDP2 × TP and PP × FSDP2 × EP
+   DTensor grads; ours vs torchtitan's own clip (or, without torchtitan, the
+   same algorithm written here), time and counted collectives per clip, and
+   every norm type against a float64 reference.
 4. ``compile``: compile time, ours vs torch's clip (``bench/compile_study.py``).
 5. ``gpu``: study 1 on CUDA, bf16 Llama-3-8B shapes (``bench/gpu_study.py``); on a
    machine without CUDA it is recorded as not measured (an earlier measured
