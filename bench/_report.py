@@ -138,6 +138,29 @@ def _goal_rows(results: dict[str, dict | None], notes: dict[str, str], quick: bo
         rows.append(f"| 5. GPU | {measured} | compiled in place ≥ 0.9 of bound | {_status(ok, quick)} |")
     else:
         rows.append(f"| 5. GPU | not measured ({notes.get('gpu', 'no GPU in this run')}) | — | — |")
+
+    rk = results.get("ranks")
+    if rk:
+        pts = rk["points"]
+        first, last = pts[0], pts[-1]
+        measured = "; ".join(
+            f"{p['world']:,}: ours {_ms(p['ms']['ours_eager'])} ms (x{_x(p['growth_vs_smallest']['ours_eager'])}), "
+            f"torch {_ms(p['ms']['torch_eager'])} ms"
+            for p in pts
+        )
+        measured += (
+            f" ({rk['config']['leaves']} leaves). First call at {last['world']:,}: ours "
+            f"{_ms(last['first_call_ms']['ours_eager'])} ms, torch {_ms(last['first_call_ms']['torch_eager'])} ms; "
+            f"init_device_mesh {_ms(last['mesh_create_ms'])} ms"
+        )
+        growth = rk.get("goal_growth")
+        ok = None if growth is None else growth <= 1.5
+        rows.append(
+            f"| 6. Host time vs ranks (fake PG), {first['world']:,} → {last['world']:,} ranks | {measured} "
+            f"| ours at 16,384 ranks ≤ 1.5x at 64 | {_status(ok, quick)} |"
+        )
+    else:
+        rows.append(f"| 6. Host time vs ranks | {notes.get('ranks', 'not run')} | ours at 16,384 ≤ 1.5x at 64 | — |")
     return rows
 
 
@@ -208,6 +231,21 @@ def _distributed_table(ds: dict) -> list[str]:
     return lines
 
 
+def _ranks_table(rk: dict) -> list[str]:
+    lines = [
+        "| ranks | mesh (pp, dp, tp) | init_device_mesh ms | variant | ms per call | x vs smallest | first call ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for p in rk["points"]:
+        mesh = tuple(p["mesh"].values())
+        for v, ms in p["ms"].items():
+            lines.append(
+                f"| {p['world']:,} | {mesh} | {_ms(p['mesh_create_ms'])} | `{v}` | {_ms(ms)} "
+                f"| {_x(p['growth_vs_smallest'][v])} | {_ms(p['first_call_ms'][v])} |"
+            )
+    return lines
+
+
 def _compile_table(cp: dict) -> list[str]:
     lines = ["| implementation | leaves | backend | compile s |", "|---|---|---|---|"]
     for r in cp.get("compile_time", []):
@@ -243,6 +281,9 @@ def summary(results: dict[str, dict | None], notes: dict[str, str], quick: bool,
     if results.get("gpu"):
         lines += ["", f"### 5. GPU, {results['gpu']['device']} (median ms; fraction of the HBM bound)", ""]
         lines += _bandwidth_table(results["gpu"])
+    if results.get("ranks"):
+        lines += ["", "### 6. Host time per norm vs world size, fake process group (median ms)", ""]
+        lines += _ranks_table(results["ranks"])
     took = ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items())
     lines += ["", f"Wall time per study: {took}."]
     return "\n".join(lines) + "\n"

@@ -18,6 +18,8 @@ Studies (each a module ``bench/<name>_study.py`` with ``run(quick, out) -> dict`
 5. ``gpu``: study 1 on CUDA, bf16 Llama-3-8B shapes (``bench/gpu_study.py``); on a
    machine without CUDA it is recorded as not measured (an earlier measured
    ``gpu.json`` in ``<out>`` is kept).
+6. ``ranks``: one process on a fake process group, 64 → 65 536 ranks, 1000
+   DTensor leaves: host time per norm, ours vs torch's, and the first call.
 
 Also run if present: ``overflow`` (what ``overflow_safe=True`` costs).
 
@@ -43,7 +45,7 @@ import torch
 from bench import _report
 
 RESULTS = pathlib.Path(__file__).parent / "results"
-STUDIES = ("bandwidth", "leaves", "distributed", "compile", "overflow", "gpu")
+STUDIES = ("bandwidth", "leaves", "distributed", "ranks", "compile", "overflow", "gpu")
 OPTIONAL = {"compile", "overflow"}  # written elsewhere; skipped with a note if absent
 COMPILE_LEAVES_FULL = [145, 1000]
 

@@ -21,7 +21,7 @@ import pytest
 from tests._processes import python, run_bounded
 
 TIMEOUT_S = 420
-STUDIES = ("bandwidth", "leaves", "distributed")
+STUDIES = ("bandwidth", "leaves", "distributed", "ranks")
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="tests/_processes.py reads /proc")
 
@@ -132,6 +132,20 @@ def test_distributed_checks_every_norm_type_against_float64(results: pathlib.Pat
             assert ("baseline" in e) != ("baseline_error" in e), (w["case"], nt, e)
 
 
+def test_ranks_schema(results: pathlib.Path):
+    data = _load(results, "ranks")
+    points = data["points"]
+    assert [p["world"] for p in points] == data["config"]["worlds"]
+    for p in points:
+        assert p["mesh"]["pp"] * p["mesh"]["dp"] * p["mesh"]["tp"] == p["world"]
+        assert set(p["ms"]) == {"ours_eager", "torch_eager"}
+        _positive_numbers(p["ms"], f"{p['world']} ranks ms")
+        _positive_numbers(p["first_call_ms"], f"{p['world']} ranks first_call_ms")
+        _positive_numbers(p["growth_vs_smallest"], f"{p['world']} ranks growth")
+        assert p["mesh_create_ms"] > 0
+    assert points[0]["growth_vs_smallest"] == {"ours_eager": 1.0, "torch_eager": 1.0}
+
+
 def test_summary_has_the_goal_table(results: pathlib.Path):
     text = (results / "summary.md").read_text()
     assert "| Study | Measured | Goal | Status |" in text
@@ -141,6 +155,7 @@ def test_summary_has_the_goal_table(results: pathlib.Path):
         "| 3. Distributed, 4 gloo ranks, dense",
         "| 3. Distributed, 4 gloo ranks, ep",
         "| 5. GPU",
+        "| 6. Host time vs ranks (fake PG), 64 → 1,024 ranks",
     ):
         assert row in text, row
     assert "not measured" in text
