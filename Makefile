@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-0.1
-BENCH_STAMP := $(VENV)/.installed-bench-0.1
+BENCH_STAMP := $(VENV)/.installed-bench-0.2
 
 .PHONY: demo test test-quick lint bench clean
 
@@ -13,9 +13,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $@
 
-# matplotlib for the plots: a bench-only extra.
+# matplotlib for the plots, and torchtitan's own clip as study 3's baseline: a bench-only extra.
+# torchtitan without its dependencies (datasets, wandb, ...): its clip imports only what the
+# bench extra brings. torchtitan 0.3.0 needs Python >= 3.11.
 $(BENCH_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -e '.[test,bench]'
+	$(PY) -m pip install --quiet --no-deps torchtitan==0.3.0
 	touch $@
 
 demo: $(STAMP)

@@ -72,14 +72,16 @@ def _goal_rows(results: dict[str, dict | None], notes: dict[str, str], quick: bo
 
     ds = results.get("distributed")
     if ds:
+        titan = ds.get("baseline", "").startswith("torchtitan")
         for w in ds["worlds"]:
             c = w["collectives_per_clip"]
             s = w["speedup_ours_over_baseline"]
             mesh = "×".join(f"{k}{v}" for k, v in w["mesh"].items())
+            case = w.get("case", "dense")
             measured = (
                 f"eager: ours {_ms(w['ms'].get('ours_eager'))} ms, {c.get('ours_eager')} collective(s); "
-                f"baseline {_ms(w['ms'].get('baseline_eager'))} ms, {c.get('baseline_eager')}; "
-                f"speed-up {_x(s.get('eager'))}x"
+                f"{'torchtitan' if titan else 'baseline'} {_ms(w['ms'].get('baseline_eager'))} ms, "
+                f"{c.get('baseline_eager')}; speed-up {_x(s.get('eager'))}x"
             )
             if "ours_compiled" in c:
                 measured += (
@@ -87,11 +89,20 @@ def _goal_rows(results: dict[str, dict | None], notes: dict[str, str], quick: bo
                     f"{_ms(w['ms'].get('baseline_compiled'))} ms, {c.get('baseline_compiled')}; "
                     f"speed-up {_x(s.get('compiled'))}x"
                 )
+            norms, rel = w.get("norm_types", {}), ds.get("norm_agree_rel")
+            if norms and rel is not None:
+                off = [nt for nt, e in norms.items() if "baseline_error" in e or e["baseline_rel_err"] > rel]
+                ours_off = [nt for nt, e in norms.items() if e["ours_rel_err"] > rel]
+                measured += (
+                    f". Norm types {', '.join(norms)} against float64 (wrong: raised, or off by > {rel:g}): "
+                    f"baseline wrong for {', '.join(off) or 'none'}, ours for {', '.join(ours_off) or 'none'}"
+                )
             one = all(v == 1 for k, v in c.items() if k.startswith("ours"))
             goal = "1 collective" + ("; ≥ 2x faster eager" if w["world"] == 8 else "")
             ok = one and (w["world"] != 8 or (s.get("eager") or 0) >= 2.0)
             rows.append(
-                f"| 3. Distributed, {w['world']} gloo ranks ({mesh}) | {measured} | {goal} | {_status(ok, quick)} |"
+                f"| 3. Distributed, {w['world']} gloo ranks, {case} ({mesh}) | {measured} | {goal} "
+                f"| {_status(ok, quick)} |"
             )
     else:
         rows.append(f"| 3. Distributed | {notes.get('distributed', 'not run')} | 1 collective; ≥ 2x faster | — |")
@@ -127,6 +138,29 @@ def _goal_rows(results: dict[str, dict | None], notes: dict[str, str], quick: bo
         rows.append(f"| 5. GPU | {measured} | compiled in place ≥ 0.9 of bound | {_status(ok, quick)} |")
     else:
         rows.append(f"| 5. GPU | not measured ({notes.get('gpu', 'no GPU in this run')}) | — | — |")
+
+    rk = results.get("ranks")
+    if rk:
+        pts = rk["points"]
+        first, last = pts[0], pts[-1]
+        measured = "; ".join(
+            f"{p['world']:,}: ours {_ms(p['ms']['ours_eager'])} ms (x{_x(p['growth_vs_smallest']['ours_eager'])}), "
+            f"torch {_ms(p['ms']['torch_eager'])} ms"
+            for p in pts
+        )
+        measured += (
+            f" ({rk['config']['leaves']} leaves). First call at {last['world']:,}: ours "
+            f"{_ms(last['first_call_ms']['ours_eager'])} ms, torch {_ms(last['first_call_ms']['torch_eager'])} ms; "
+            f"init_device_mesh {_ms(last['mesh_create_ms'])} ms"
+        )
+        growth = rk.get("goal_growth")
+        ok = None if growth is None else growth <= 1.5
+        rows.append(
+            f"| 6. Host time vs ranks (fake PG), {first['world']:,} → {last['world']:,} ranks | {measured} "
+            f"| ours at 16,384 ranks ≤ 1.5x at 64 | {_status(ok, quick)} |"
+        )
+    else:
+        rows.append(f"| 6. Host time vs ranks | {notes.get('ranks', 'not run')} | ours at 16,384 ≤ 1.5x at 64 | — |")
     return rows
 
 
@@ -165,11 +199,50 @@ def _leaves_table(lv: dict) -> list[str]:
 
 
 def _distributed_table(ds: dict) -> list[str]:
-    lines = ["| ranks | mesh (pp, dp, tp) | variant | ms per clip | collectives per clip |", "|---|---|---|---|---|"]
+    lines = [
+        f"Baseline: {ds.get('baseline', 'written here')}.",
+        "",
+        "| ranks | case | mesh | variant | ms per clip | collectives per clip (per stage) |",
+        "|---|---|---|---|---|---|",
+    ]
     for w in ds["worlds"]:
+        mesh = ", ".join(f"{k} {v}" for k, v in w["mesh"].items())
+        by_stage = w.get("collectives_by_stage", {})
         for v, ms in w["ms"].items():
-            mesh = tuple(w["mesh"].values())
-            lines.append(f"| {w['world']} | {mesh} | `{v}` | {_ms(ms)} | {w['collectives_per_clip'][v]} |")
+            per_stage = f" ({', '.join(map(str, by_stage[v]))})" if v in by_stage else ""
+            lines.append(
+                f"| {w['world']} | {w.get('case', 'dense')} | {mesh} | `{v}` | {_ms(ms)} "
+                f"| {w['collectives_per_clip'][v]}{per_stage} |"
+            )
+    rows = [(w, nt, e) for w in ds["worlds"] for nt, e in w.get("norm_types", {}).items()]
+    if rows:
+        lines += ["", "| ranks | case | norm_type | float64 reference | ours (rel. error) | baseline (rel. error) |"]
+        lines.append("|---|---|---|---|---|---|")
+        for w, nt, e in rows:
+            base = (
+                "raised " + "; ".join(e["baseline_error"])
+                if "baseline_error" in e
+                else f"{e['baseline']:.7g} ({e['baseline_rel_err']:.2g})"
+            )
+            lines.append(
+                f"| {w['world']} | {w.get('case', 'dense')} | {nt} | {e['reference']:.7g} "
+                f"| {e['ours']:.7g} ({e['ours_rel_err']:.2g}) | {base} |"
+            )
+    return lines
+
+
+def _ranks_table(rk: dict) -> list[str]:
+    lines = [
+        "| ranks | mesh (pp, dp, tp) | init_device_mesh ms | variant | ms per call | x vs smallest | first call ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for p in rk["points"]:
+        mesh = tuple(p["mesh"].values())
+        for v, ms in p["ms"].items():
+            lines.append(
+                f"| {p['world']:,} | {mesh} | {_ms(p['mesh_create_ms'])} | `{v}` | {_ms(ms)} "
+                f"| {_x(p['growth_vs_smallest'][v])} | {_ms(p['first_call_ms'][v])} |"
+            )
     return lines
 
 
@@ -208,6 +281,9 @@ def summary(results: dict[str, dict | None], notes: dict[str, str], quick: bool,
     if results.get("gpu"):
         lines += ["", f"### 5. GPU, {results['gpu']['device']} (median ms; fraction of the HBM bound)", ""]
         lines += _bandwidth_table(results["gpu"])
+    if results.get("ranks"):
+        lines += ["", "### 6. Host time per norm vs world size, fake process group (median ms)", ""]
+        lines += _ranks_table(results["ranks"])
     took = ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items())
     lines += ["", f"Wall time per study: {took}."]
     return "\n".join(lines) + "\n"

@@ -10,12 +10,16 @@ Studies (each a module ``bench/<name>_study.py`` with ``run(quick, out) -> dict`
 1. ``bandwidth``: one process, GPT-2 shapes, fp32/bf16; torch and ours, eager and
    compiled, against the memory-bandwidth bound measured in the same run.
 2. ``leaves``: one process, 100 → 10 000 leaves; plain tensors and DTensors.
-3. ``distributed``: 4 and 8 gloo ranks, PP × FSDP2 × TP DTensor grads; ours vs
-   the torchtitan-style clip, time and counted collectives per clip.
+3. ``distributed``: 4 and 8 gloo ranks, PP × FSDP2 × TP and PP × FSDP2 × EP
+   DTensor grads; ours vs torchtitan's own clip (or, without torchtitan, the
+   same algorithm written here), time and counted collectives per clip, and
+   every norm type against a float64 reference.
 4. ``compile``: compile time, ours vs torch's clip (``bench/compile_study.py``).
 5. ``gpu``: study 1 on CUDA, bf16 Llama-3-8B shapes (``bench/gpu_study.py``); on a
    machine without CUDA it is recorded as not measured (an earlier measured
    ``gpu.json`` in ``<out>`` is kept).
+6. ``ranks``: one process on a fake process group, 64 → 65 536 ranks, 1000
+   DTensor leaves: host time per norm, ours vs torch's, and the first call.
 
 Also run if present: ``overflow`` (what ``overflow_safe=True`` costs).
 
@@ -41,7 +45,7 @@ import torch
 from bench import _report
 
 RESULTS = pathlib.Path(__file__).parent / "results"
-STUDIES = ("bandwidth", "leaves", "distributed", "compile", "overflow", "gpu")
+STUDIES = ("bandwidth", "leaves", "distributed", "ranks", "compile", "overflow", "gpu")
 OPTIONAL = {"compile", "overflow"}  # written elsewhere; skipped with a note if absent
 COMPILE_LEAVES_FULL = [145, 1000]
 
