@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' ppclip_func/__init__.py)
 STAMP := $(VENV)/.installed-$(VERSION)-torch-$(TORCH)
 BENCH_STAMP := $(STAMP)-bench
-LINTED := ppclip_func tests bench
+LINTED := ppclip_func tests bench demo
 
 .PHONY: demo test test-quick test-torch-2.14 lint bench clean
 
@@ -24,7 +24,7 @@ $(BENCH_STAMP): $(STAMP)
 	touch $@
 
 demo: $(STAMP)
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node 8 -m ppclip_func.demo
+	OMP_NUM_THREADS=1 $(PY) -m demo
 
 # The full benchmark suite (long; `$(PY) -m bench --quick` is the CI-sized run).
 bench: $(BENCH_STAMP)

@@ -57,8 +57,9 @@ def _rank(rank: int, world: int, cfg: dict) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
+    from demo.model import ModelConfig, build_model, split_stage
+    from demo.parallel import apply_fsdp, apply_tp
     from ppclip_func import clip_grad_norm_, global_grad_norm
-    from ppclip_func.demo import ModelConfig, apply_fsdp, apply_tp, build_model, split_stage
 
     pp, dp, tp = MESHES[world]
     mesh = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
