@@ -49,7 +49,7 @@ class ModelConfig:
     vocab: int = 128
     dim: int = 64
     n_heads: int = 4
-    n_layers: int = 4
+    n_layers: int = 2
     hidden: int = 128
     seq_len: int = 32
     moe_layers: tuple[int, ...] = ()  # layers whose feed-forward is a mixture of experts

@@ -29,12 +29,15 @@ differ by more than ``--rtol`` (1e-4) at any step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import math
 import sys
+import threading
 import time
 import warnings
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -78,6 +81,25 @@ def _quiet() -> None:
     torch._functorch.config.enable_autograd_cache = False
     # Every rank compiles at once: a pool of compile workers per rank would only oversubscribe the cores.
     torch._inductor.config.compile_threads = 1
+
+
+@contextlib.contextmanager
+def _ticking(say: Callable[..., None], every: float = 20.0) -> Iterator[None]:
+    """Says how long the body has been running every ``every`` seconds, so a long wait shows it is alive."""
+    done = threading.Event()
+    start = time.monotonic()
+
+    def tick() -> None:
+        while not done.wait(every):
+            say(f"  ... {time.monotonic() - start:.0f} s", flush=True)
+
+    thread = threading.Thread(target=tick, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def _torch_stage_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
@@ -143,14 +165,18 @@ def _rank(rank: int, world: int, args: argparse.Namespace, cfg: ModelConfig, dat
                 _torch_stage_norm(grads, args.norm_type)
         stage_norm = _torch_stage_norm(grads, args.norm_type)
 
+        t_optimizer = time.perf_counter()
         if step == 0 and not args.eager:
             say(
                 f"step 1: compiling the optimizer step with {args.backend} on every rank "
                 f"(first step only; the longest wait of the demo) ...",
                 flush=True,
             )
-        t_optimizer = time.perf_counter()
-        total, coef = step_fn()
+            with _ticking(say) if rank == 0 else contextlib.nullcontext():
+                total, coef = step_fn()
+            say(f"  compiled on every rank: {time.perf_counter() - t_optimizer:.0f} s", flush=True)
+        else:
+            total, coef = step_fn()
         norm, coef = float(total), float(coef)
         seconds = (t_backward - t_start) + (time.perf_counter() - t_optimizer)
         for p in params:
@@ -242,7 +268,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--backend", default="inductor", help="torch.compile backend (default inductor; aot_eager traces only)"
     )
-    parser.add_argument("--layers", type=int, default=4, help="transformer blocks, split over the stages (default 4)")
+    parser.add_argument("--layers", type=int, default=2, help="transformer blocks, split over the stages (default 2)")
     parser.add_argument("--dim", type=int, default=64, help="model width (default 64)")
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--batch", type=int, default=8, help="sequences per step, whole model (default 8)")
