@@ -1,15 +1,20 @@
 # One entry point. `make demo`, `make test` and `make bench` each set up .venv first (once).
 VENV ?= .venv
+# The torch the venv gets, pinned: a bare or ranged `torch` could pull a multi-GB CUDA build.
+TORCH ?= 2.13.0
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-0.1
-BENCH_STAMP := $(VENV)/.installed-bench-0.2
+# The stamp is named after the package version (read from ppclip_func/__init__.py, its one
+# source) and the torch version: a new version of either sets the venv up again.
+VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' ppclip_func/__init__.py)
+STAMP := $(VENV)/.installed-$(VERSION)-torch-$(TORCH)
+BENCH_STAMP := $(STAMP)-bench
+LINTED := ppclip_func tests bench demo
 
-.PHONY: demo test test-quick lint bench clean
+.PHONY: demo test test-quick test-torch-2.14 lint bench clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
-	# torch first, pinned: a bare or ranged `torch` could pull a multi-GB CUDA build.
-	$(PY) -m pip install --quiet torch==2.13.0 numpy
+	$(PY) -m pip install --quiet torch==$(TORCH) numpy
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $@
 
@@ -22,19 +27,24 @@ $(BENCH_STAMP): $(STAMP)
 	touch $@
 
 demo: $(STAMP)
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node 8 -m ppclip_func.demo
+	OMP_NUM_THREADS=1 $(PY) -m demo
 
 # The full benchmark suite (long; `$(PY) -m bench --quick` is the CI-sized run).
 bench: $(BENCH_STAMP)
 	$(PY) -m bench
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check ppclip_func tests bench
-	$(VENV)/bin/ruff format --check ppclip_func tests bench
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
 	$(PY) -m pytest
 
 test-quick: $(STAMP)
 	$(PY) -m pytest -m "not slow"
+
+# The whole suite on the newest torch the package allows, in a venv of its own. Not part of CI:
+# PyPI's torch 2.14.1 wheel brings the CUDA libraries (about 5.5 GB installed).
+test-torch-2.14:
+	$(MAKE) test VENV=.venv-torch-2.14 TORCH=2.14.1
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

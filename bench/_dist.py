@@ -1,5 +1,8 @@
 """Distributed pieces of the benchmarks: the torchtitan-style baseline, rank spawning, counting.
 
+Ranks are started by the shared harness, :func:`demo.harness.run_ranks`;
+:func:`spawn` adds what every benchmark rank sets up first.
+
 The baseline is written here from public torch APIs, in the shape torchtitan's
 ``clip_grad_norm_`` has for pipeline parallelism: ``get_total_norm`` over the
 DTensor grads of this stage, ``full_tensor()`` (one all-reduce per partially
@@ -10,23 +13,19 @@ then ``clip_grads_with_norm_``.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
 import math
 import os
-import queue as queue_mod
-import socket
 import sys
-import time
-import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch._functorch.config
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
+
+from demo.harness import run_ranks
 
 __all__ = ["count_collectives", "single_rank_group", "spawn", "torchtitan_clip", "torchtitan_norm"]
 
@@ -99,42 +98,11 @@ def single_rank_group() -> Iterator[None]:
     if dist.is_initialized():
         yield
         return
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield
     finally:
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, results: Any, pg_timeout: float):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    # The baseline's full_tensor() over two Partial mesh dims makes DTensor warn that it runs two
-    # all-reduces, on every rank; that cost is what the study measures, so the warning is noise here.
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    # AOTAutograd's disk cache cannot pickle a DeviceMesh (it warns and moves on) and keys DTensor inputs
-    # by global shape, so ranks with uneven shards could share kernels that do not fit them.
-    torch._functorch.config.enable_autograd_cache = False
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=pg_timeout),
-        )
-        results.put((rank, "ok", fn(rank, world, *args)))
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def spawn(fn: Callable[..., Any], world: int, *args: Any, timeout: float) -> list[Any]:
@@ -144,44 +112,16 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, timeout: float) -> lis
     after ``timeout`` seconds.
 
     Raises:
-        RuntimeError: A rank raised (tracebacks included) or ranks did not finish in time.
+        demo.harness.RanksFailed: A rank raised (tracebacks included), died, or ranks did not finish in time.
     """
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_entry, args=(r, world, port, fn, args, results, max(30.0, 0.75 * timeout)), daemon=True)
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    ok: dict[int, Any] = {}
-    errors: dict[int, str] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(ok) + len(errors) < world and time.monotonic() < deadline:
-            try:
-                rank, status, payload = results.get(timeout=1.0)
-            except queue_mod.Empty:
-                if not any(p.is_alive() for p in procs):
-                    break  # every rank has exited; those that never reported count as missing
-                continue
-            (ok if status == "ok" else errors)[rank] = payload
-            if errors:
-                deadline = min(deadline, time.monotonic() + 20.0)
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-        results.close()
-        results.join_thread()
-    missing = [r for r in range(world) if r not in ok and r not in errors]
-    if errors or missing:
-        lines = [f"rank {r} failed:\n{tb}" for r, tb in sorted(errors.items())]
-        if missing:
-            lines.append(f"ranks {missing} died without a report, or did not finish within {timeout:.0f} s")
-        raise RuntimeError("\n".join(lines))
-    return [ok[r] for r in range(world)]
+    return run_ranks(_bench_rank, world, fn, *args, timeout=timeout)
+
+
+def _bench_rank(rank: int, world: int, fn: Callable[..., Any], *args: Any) -> Any:
+    # The baseline's full_tensor() over two Partial mesh dims makes DTensor warn that it runs two
+    # all-reduces, on every rank; that cost is what the study measures, so the warning is noise here.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    # AOTAutograd's disk cache cannot pickle a DeviceMesh (it warns and moves on) and keys DTensor inputs
+    # by global shape, so ranks with uneven shards could share kernels that do not fit them.
+    torch._functorch.config.enable_autograd_cache = False
+    return fn(rank, world, *args)

@@ -1,14 +1,26 @@
-"""The Markdown summary of a benchmark run, and plots for studies that bring none."""
+"""What a benchmark run writes: each study's JSON, the Markdown summary, and plots for studies that bring none."""
 
 from __future__ import annotations
 
 import datetime
+import json
 import pathlib
 
-__all__ = ["plot_compile", "plot_ms", "summary"]
+__all__ = ["RESULTS", "plot_compile", "plot_ms", "summary", "write_result"]
+
+RESULTS = pathlib.Path(__file__).parent / "results"
 
 TORCH_COMPILE_IMPL = "torch get_total_norm + clip_grads_with_norm_"
 OURS_COMPILE_IMPL = "ppclip clip_grad_norm_ (in place)"
+
+
+def write_result(result: dict, out: pathlib.Path | None = None) -> pathlib.Path:
+    """Writes a study's ``result`` to ``<out>/<result["study"]>.json`` (default ``bench/results``); returns the path."""
+    out = out or RESULTS
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{result['study']}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return path
 
 
 def _status(ok: bool | None, quick: bool) -> str:

@@ -26,19 +26,18 @@ Each is reported in ms and as ``fraction_of_bound`` = time(bound) / time(variant
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import traceback
 from collections.abc import Callable
 
 import torch
 
+from bench._report import write_result
 from bench._shapes import gpt_shapes, make_grads, make_params, numel
 from bench._timing import Timings, interleaved, machine
 from ppclip_func import clip_grad_norm, clip_grad_norm_
 
 NAME = "bandwidth"
-RESULTS = pathlib.Path(__file__).parent / "results"
 MAX_NORM = 1.0
 FULL = {"dim": 1024, "layers": 12, "vocab": 50257, "context": 1024}
 QUICK = {"dim": 64, "layers": 2, "vocab": 2048, "context": 256}
@@ -155,7 +154,7 @@ def run(quick: bool = False, out: pathlib.Path | None = None) -> dict:
     body = measure(gpt_shapes(**cfg), (torch.float32, torch.bfloat16), runs=runs, warmup=warmup, backend=backend)
     body["model"]["shapes"] = f"GPT-2 {cfg}"
     result = {"study": NAME, "quick": quick, **body}
-    _write(result, out)
+    write_result(result, out)
     return result
 
 
@@ -184,12 +183,6 @@ def plot(result: dict, path: pathlib.Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def _write(result: dict, out: pathlib.Path | None) -> None:
-    out = out or RESULTS
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{NAME}.json").write_text(json.dumps(result, indent=2) + "\n")
 
 
 def print_result(result: dict) -> None:

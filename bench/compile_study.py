@@ -43,12 +43,12 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
+from bench._report import RESULTS, write_result
 from bench._shapes import gpt_shapes, make_grads, make_params, numel
 from bench._timing import Timings, interleaved, machine
 from ppclip_func import clip_grad_norm, clip_grad_norm_
 
 NAME = "compile"
-RESULTS = pathlib.Path(__file__).parent / "results"
 STEADY_FULL = {"dim": 512, "layers": 8, "vocab": 8192, "context": 512}
 STEADY_QUICK = {"dim": 256, "layers": 4, "vocab": 2048, "context": 256}
 # One llama block (torchtitan names) at dim 64: attention, feed-forward, two norms.
@@ -278,9 +278,7 @@ def run(quick: bool = False, leaves: Sequence[int] | None = None, out: pathlib.P
 
 def _write(result: dict, out: pathlib.Path | None) -> dict:
     """Merges ``result`` into the JSON file: new entries replace old ones with the same key."""
-    out = out or RESULTS
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{NAME}.json"
+    path = (out or RESULTS) / f"{NAME}.json"
     old = json.loads(path.read_text()) if path.exists() else {}
     key = lambda r: (r["impl"], r["leaves"], r["backend"])  # noqa: E731
     fresh = {key(r) for r in result["compile_time"]}
@@ -290,7 +288,7 @@ def _write(result: dict, out: pathlib.Path | None) -> dict:
         "compile_time": sorted(kept + result["compile_time"], key=lambda r: (r["backend"], r["leaves"], r["impl"])),
         "steady_state": {**old.get("steady_state", {}), **result["steady_state"]},
     }
-    path.write_text(json.dumps(merged, indent=2) + "\n")
+    write_result(merged, out)
     return merged
 
 

@@ -8,7 +8,7 @@ layouts (the same values on every replica of an element; see :func:`_fill_grads`
   (``fully_shard``) as in the demo (``_StridedShard``/``Shard`` over ``dp`` ×
   ``Shard`` or ``Replicate`` over ``tp``). 4 ranks: ``(pp, dp, tp) = (2, 2, 1)``
   (FSDP × PP, the torchtitan#596 case); 8 ranks: ``(2, 2, 2)``.
-* ``ep``: the test suite's llama-like model (``tests/_models.py``) with a MoE
+* ``ep``: the same model (``demo/model.py``) with a MoE
   feed-forward in every other layer, world mesh ``(pp, dp_shard) = (2, world/2)``;
   the experts are sharded on the expert dim over ``ep = 2`` and by FSDP over
   ``dp_shard_mod_ep`` (``dp_shard`` unflattened into ``(world/4, 2)``), the
@@ -60,6 +60,7 @@ Norm types 2 and inf agree. For 1, torchtitan's fp32 sums are 0.6e-5 to
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import pathlib
@@ -119,15 +120,16 @@ def _build(case: str, world: int, cfg: dict):
     """This rank's stage of the case's model, parallelized; returns (world mesh, stage, parameters)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    shape = _mesh_shape(case, world)
-    if case == "dense":
-        from ppclip_func.demo import ModelConfig, apply_fsdp, apply_tp, build_model, split_stage
+    from demo.model import ModelConfig, build_model, split_stage
+    from demo.parallel import apply_ep, apply_fsdp, apply_tp
 
+    shape = _mesh_shape(case, world)
+    mcfg = ModelConfig(
+        vocab=cfg["vocab"], dim=cfg["dim"], n_heads=4, n_layers=cfg["layers"], hidden=cfg["dim"] * 11 // 4
+    )
+    if case == "dense":
         mesh = init_device_mesh("cpu", tuple(shape.values()), mesh_dim_names=tuple(shape))
         stage = mesh.get_coordinate()[0]
-        mcfg = ModelConfig(
-            vocab=cfg["vocab"], dim=cfg["dim"], n_heads=4, n_layers=cfg["layers"], hidden=cfg["dim"] * 11 // 4
-        )
         model = split_stage(build_model(mcfg, seed=0), stage, shape["pp"])
         if shape["tp"] > 1:
             apply_tp(model, mesh["tp"])
@@ -135,21 +137,11 @@ def _build(case: str, world: int, cfg: dict):
             apply_fsdp(model, mesh["dp"])
         return mesh, stage, list(model.parameters())
 
-    from tests._models import ModelArgs, apply_ep, apply_fsdp, build_stage
-
     mesh = init_device_mesh("cpu", (shape["pp"], shape["dp_shard"]), mesh_dim_names=("pp", "dp_shard"))
     experts_mesh = mesh._unflatten("dp_shard", (shape["dp_shard_mod_ep"], EP), ("dp_shard_mod_ep", "ep"))
     stage = mesh.get_coordinate()[0]
-    args = ModelArgs(
-        dim=cfg["dim"],
-        n_heads=4,
-        hidden=cfg["dim"] * 11 // 4,
-        vocab=cfg["vocab"],
-        n_layers=cfg["layers"],
-        moe_layers=tuple(range(1, cfg["layers"], 2)),
-        n_experts=cfg["experts"],
-    )
-    model = build_stage(args, stage, shape["pp"])
+    mcfg = dataclasses.replace(mcfg, moe_layers=tuple(range(1, cfg["layers"], 2)), n_experts=cfg["experts"])
+    model = split_stage(build_model(mcfg, seed=0), stage, shape["pp"])
     apply_ep(model, experts_mesh["ep"])
     apply_fsdp(model, mesh["dp_shard"], expert_dp_mesh=experts_mesh["dp_shard_mod_ep"])
     return mesh, stage, list(model.parameters())

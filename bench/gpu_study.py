@@ -25,16 +25,15 @@ compiling three variants)::
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 
 import torch
 
 from bench import bandwidth_study
+from bench._report import RESULTS, write_result
 from bench._shapes import llama3_8b_shapes
 
 NAME = "gpu"
-RESULTS = pathlib.Path(__file__).parent / "results"
 
 
 def run(quick: bool = False, out: pathlib.Path | None = None, device: str = "cuda") -> dict:
@@ -51,9 +50,7 @@ def run(quick: bool = False, out: pathlib.Path | None = None, device: str = "cud
     result = {"study": NAME, "measured": True, "quick": quick, **body}
     if torch.device(device).type == "cuda":
         result["cpu_offload"] = _cpu_offload_check()
-    out = out or RESULTS
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{NAME}.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_result(result, out)
     return result
 
 

@@ -28,7 +28,6 @@ inductor: a check that they compile with ``fullgraph=True``, not a measurement.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import time
 import traceback
@@ -39,12 +38,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from bench._dist import single_rank_group, torchtitan_clip
+from bench._report import write_result
 from bench._shapes import make_grads, make_params
 from bench._timing import interleaved, machine
 from ppclip_func import clip_grad_norm_
 
 NAME = "leaves"
-RESULTS = pathlib.Path(__file__).parent / "results"
 FULL = {
     "counts": [100, 300, 1000, 3000, 10000],
     "total": 16 * 2**20,
@@ -148,7 +147,7 @@ def run(quick: bool = False, out: pathlib.Path | None = None) -> dict:
             backend = cfg["compile_backend"] if n <= cfg["compile_max_leaves"] else None
             result["series"]["fixed_total"].append(_point(n, cfg["total"] // n, mesh, backend, runs))
             result["series"]["fixed_leaf"].append(_point(n, cfg["leaf"], mesh, backend, runs))
-    _write(result, out)
+    write_result(result, out)
     return result
 
 
@@ -178,12 +177,6 @@ def plot(result: dict, path: pathlib.Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def _write(result: dict, out: pathlib.Path | None) -> None:
-    out = out or RESULTS
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{NAME}.json").write_text(json.dumps(result, indent=2) + "\n")
 
 
 def main() -> None:

@@ -13,17 +13,14 @@ the same run.
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
 import platform
 import statistics
 import time
 
 import torch
 
+from bench._report import RESULTS, write_result
 from ppclip_func import global_grad_norm
-
-RESULTS = pathlib.Path(__file__).parent / "results"
 
 
 def _grads(total: int) -> list[torch.Tensor]:
@@ -77,8 +74,7 @@ def run(quick: bool = False) -> dict:
         "overflow_safe_cost_eager": ms["eager_overflow_safe"] / ms["eager_fp32_acc"],
         "overflow_safe_cost_compiled": ms["compiled_overflow_safe"] / ms["compiled_fp32_acc"],
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "overflow.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_result(result, RESULTS)
     return result
 
 

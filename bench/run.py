@@ -61,7 +61,7 @@ def _run_study(name: str, quick: bool, out: pathlib.Path) -> dict:
     elif hasattr(mod, "RESULTS"):
         mod.RESULTS = out  # a study that writes to its module's RESULTS folder
     result = mod.run(**kwargs)
-    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    _report.write_result(result, out)
     return result
 
 
@@ -90,7 +90,7 @@ def _gpu_not_measured(out: pathlib.Path) -> str:
     if path.exists() and json.loads(path.read_text()).get("measured"):
         return f"not measured in this run (no CUDA); {path.name} keeps an earlier GPU run"
     reason = "no GPU on this machine (torch.cuda.is_available() is False)"
-    path.write_text(json.dumps({"study": "gpu", "measured": False, "reason": reason}, indent=2) + "\n")
+    _report.write_result({"study": "gpu", "measured": False, "reason": reason}, out)
     return reason
 
 

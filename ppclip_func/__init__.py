@@ -16,4 +16,4 @@ __all__ = [
     "clip_grad_norm_",
 ]
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"

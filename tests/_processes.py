@@ -1,8 +1,9 @@
 """Run a command that starts many processes, with a hard timeout, and leave none of them behind.
 
-``torchrun`` starts each worker in a session of its own, and a rank that
-outlives a killed parent is re-parented to init, so neither the process group
-nor the parent links find every process a command started. Each run instead
+The demo's ranks are forked from a fork server, ``torchrun`` starts each
+worker in a session of its own, and a rank that outlives a killed parent is
+re-parented to init, so neither the process group nor the parent links find
+every process a command started. Each run instead
 puts a unique marker in the environment, which every descendant inherits, and
 after the command ends (or is killed at the timeout) every process still
 carrying the marker is killed. Linux only: it reads ``/proc``.
@@ -94,5 +95,5 @@ def run_bounded(cmd: list[str], timeout: float, env: dict[str, str] | None = Non
 
 
 def python() -> str:
-    """The interpreter running the tests (its virtualenv has torch and torchrun)."""
+    """The interpreter running the tests (its virtualenv has torch)."""
     return sys.executable

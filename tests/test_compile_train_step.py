@@ -3,7 +3,8 @@
 ``torch.optim.AdamW.step`` graph-breaks on purpose (``_use_grad`` calls
 ``torch._dynamo.graph_break()``), so the compiled step calls torch's
 functional ``torch.optim.adamw.adamw`` on explicit state lists — the same
-update the class applies. The reference is plain eager torch:
+update the class applies (``demo.optim.FunctionalAdamW``, the demo's
+optimizer step). The reference is plain eager torch:
 ``torch.nn.utils.clip_grad_norm_`` then ``torch.optim.AdamW.step()``.
 Both runs start from the same weights and see the same batches; after each
 of 5 steps the norms and every parameter must agree to 1e-6 relative.
@@ -18,14 +19,14 @@ import pytest
 import torch
 from torch._dynamo.backends.registry import lookup_backend
 from torch.distributed.device_mesh import init_device_mesh
-from torch.optim.adamw import adamw
 
+from demo.optim import AdamWConfig, FunctionalAdamW
 from ppclip_func import clip_grad_norm, clip_grad_norm_
 from tests._fake_pg import fake_world
 from tests.test_compile_fake_pg import CaptureBackend, assert_one_graph_one_collective
 
 STEPS = 5
-LR, BETAS, WEIGHT_DECAY, ADAM_EPS = 1e-2, (0.9, 0.999), 0.1, 1e-8
+ADAMW = AdamWConfig(lr=1e-2, betas=(0.9, 0.999), weight_decay=0.1, eps=1e-8)
 REL = 1e-6
 
 
@@ -52,7 +53,7 @@ def backward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
 def eager_torch_run() -> tuple[list[float], list[list[torch.Tensor]]]:
     """torch's own clip and AdamW, eager: the reference."""
     model = make_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY, eps=ADAM_EPS)
+    opt = ADAMW.torch_optimizer(model.parameters())
     norms, params = [], []
     for step, (x, y) in enumerate(batches()):
         backward(model, x, y)
@@ -62,46 +63,10 @@ def eager_torch_run() -> tuple[list[float], list[list[torch.Tensor]]]:
     return norms, params
 
 
-class FunctionalAdamW:
-    """AdamW state as lists, updated by ``torch.optim.adamw.adamw`` (traceable as one graph).
-
-    Compiled, it runs ``capturable=True``: step counts stay tensors, so no
-    step number is read on the host. They are float64 because the capturable
-    bias corrections are computed in the step's dtype, and ``1 - 0.999`` in
-    float32 is off by 1.3e-5 (eager computes it with Python floats).
-    Eager torch refuses ``capturable=True`` on CPU, so eager runs without it.
-    """
-
-    def __init__(self, params: list[torch.nn.Parameter]) -> None:
-        self.params = params
-        self.exp_avgs = [torch.zeros_like(p) for p in params]
-        self.exp_avg_sqs = [torch.zeros_like(p) for p in params]
-        self.steps = [torch.tensor(0.0, dtype=torch.float64) for _ in params]
-
-    def step(self, grads: list[torch.Tensor]) -> None:
-        adamw(
-            self.params,
-            grads,
-            self.exp_avgs,
-            self.exp_avg_sqs,
-            [],
-            self.steps,
-            foreach=True,
-            capturable=torch.compiler.is_compiling(),
-            amsgrad=False,
-            beta1=BETAS[0],
-            beta2=BETAS[1],
-            lr=LR,
-            weight_decay=WEIGHT_DECAY,
-            eps=ADAM_EPS,
-            maximize=False,
-        )
-
-
 def make_step(model: torch.nn.Module, api: str, mesh=None) -> Callable[[torch.Tensor], torch.Tensor]:
     params = list(model.parameters())
     names = [n for n, _ in model.named_parameters()]
-    opt = FunctionalAdamW(params)
+    opt = FunctionalAdamW(params, ADAMW)
 
     @torch.no_grad()
     def step_inplace(max_norm: torch.Tensor) -> torch.Tensor:

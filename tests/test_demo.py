@@ -1,6 +1,6 @@
 """The demo: a real 8-rank PP × FSDP2 × TP training run agrees with plain torch in one process.
 
-One run of the README's command at tiny sizes (``torchrun`` with 8 gloo
+One run of the README's command at tiny sizes (``python -m demo``: 8 gloo
 ranks, 3 steps, a 2-block model), with the optimizer step compiled with
 ``fullgraph=True``. The ``aot_eager`` backend traces clip + AdamW through
 Dynamo and AOTAutograd exactly as inductor would receive them, and skips
@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from ppclip_func.demo import StepLog, _relative_difference, _report
+from demo.run import StepLog, _relative_difference, _report
 from tests._processes import python, run_bounded
 
 STEPS = 3
@@ -31,14 +31,9 @@ def demo_output() -> str:
     cmd = [
         python(),
         "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "8",
-        "-m",
-        "ppclip_func.demo",
+        "demo",
         *("--steps", str(STEPS), "--layers", "2", "--dim", "32", "--seq-len", "8", "--microbatches", "2"),
-        *("--backend", "aot_eager"),
+        *("--backend", "aot_eager", "--timeout", str(TIMEOUT_S - 20)),
     ]
     code, out, leftovers = run_bounded(cmd, TIMEOUT_S, env={"OMP_NUM_THREADS": "1"})
     assert not leftovers, f"processes left behind: {leftovers}"
@@ -79,6 +74,8 @@ def test_each_stage_alone_sees_part_of_the_norm(demo_output: str):
 def test_one_collective_and_a_compiled_step(demo_output: str):
     assert "ppclip_func 1 for the whole model" in demo_output
     assert "compiled (aot_eager, fullgraph)" in demo_output
+    # The long first step says what it is doing before it starts.
+    assert demo_output.index("step 1: compiling the optimizer step") < demo_output.index("step   1  loss")
     steps = re.findall(r"^step +(\d+) +loss +([\d.]+) +norm +([\d.]+) +clip +([\d.]+)", demo_output, re.M)
     assert [int(s[0]) for s in steps] == list(range(1, STEPS + 1))
     for _, loss, norm, clip in steps:

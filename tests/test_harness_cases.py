@@ -12,7 +12,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from tests._harness import run_cases
+from demo.harness import run_cases
 
 
 def passes(rank: int, world_size: int) -> None:

@@ -1,6 +1,6 @@
 """Distributed correctness on every real parallel layout, built with torch's own parallel APIs.
 
-Each case builds the tiny llama-like model of ``tests/_models.py`` with
+Each case builds the demo's llama-like model (``demo/model.py``), tiny, with
 ``torch.distributed.pipelining`` (``PipelineStage`` + ``ScheduleGPipe``,
 ``Schedule1F1B`` or ``ScheduleInterleaved1F1B``), FSDP2 ``fully_shard``
 (HSDP on a 2-D mesh),
@@ -13,11 +13,12 @@ All cases of one world size run in one start of the ranks (starting
 processes is the slow part on 2 cores); each case passes or fails on its
 own, naming the ranks that failed. A rank stuck in a collective that a
 failed peer skipped is released by gloo's timeout (a minute), and the whole
-run has a hard timeout (``tests/_harness.py``, ``run_cases``).
+run has a hard timeout (``demo/harness.py``, ``run_cases``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -31,22 +32,12 @@ from torch.distributed.pipelining import Schedule1F1B
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from demo.harness import RanksFailed, run_cases
+from demo.model import ModelConfig, Transformer, build_model, random_batch, split_stage
+from demo.parallel import Pipeline, apply_ddp, apply_ep, apply_fsdp, apply_tp
 from ppclip_func import clip_grad_norm, clip_grad_norm_, global_grad_norm
 from tests._collectives import CollectiveCounter, norm_bits
 from tests._gather import cast_grads, full_grads, gather_objects, model_gradient
-from tests._harness import run_cases
-from tests._models import (
-    ModelArgs,
-    apply_ddp,
-    apply_ep,
-    apply_fsdp,
-    apply_tp,
-    batch,
-    build_stage,
-    named_grads,
-    named_parameters,
-    run_pipeline,
-)
 from tests._reference import assert_close_rel, reference_coefficient, reference_norm
 
 NORM_TYPES = (2.0, 1.0, 3.5, math.inf, -math.inf, 0.0)
@@ -251,7 +242,22 @@ def layout(world_size: int, *, slow: bool = False) -> Callable:
     return register
 
 
-ARGS = ModelArgs()
+# The demo's model at test size.
+ARGS = ModelConfig(vocab=32, dim=16, n_heads=2, n_layers=2, hidden=32, seq_len=8)
+
+
+def build_stage(cfg: ModelConfig, stage: int, n_stages: int, *, layers: list[int] | None = None) -> Transformer:
+    """The whole model built from seed 0 on every rank, cut down to pipeline stage ``stage``."""
+    return split_stage(build_model(cfg), stage, n_stages, layers=layers)
+
+
+def named_grads(*modules: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    """``{parameter name: .grad}`` of every parameter of ``modules``, as a trainer would pass them."""
+    return {name: p.grad for m in modules for name, p in m.named_parameters()}
+
+
+def named_parameters(*modules: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    return {name: p for m in modules for name, p in m.named_parameters()}
 
 
 @layout(world_size=8)
@@ -262,7 +268,7 @@ def pp_fsdp2_tp(rank: int, world_size: int) -> None:
     model = build_stage(ARGS, pp, 2)
     apply_tp(model, mesh["tp"])
     apply_fsdp(model, mesh["dp_shard"])
-    run_pipeline([model], [pp], 2, mesh["pp"], *batch(ARGS, dp))
+    Pipeline([model], [pp], 2, mesh["pp"]).step(*random_batch(ARGS, dp))
     grads = named_grads(model)
     assert _placement_kinds(grads) == {"_StridedShard", "Shard", "Replicate"}
     check_clip(grads, mesh, params=named_parameters(model))
@@ -278,7 +284,7 @@ def pp_hsdp(rank: int, world_size: int) -> None:
     pp, rep, shard = mesh.get_coordinate()
     model = build_stage(ARGS, pp, 2)
     apply_fsdp(model, mesh["dp_replicate", "dp_shard"])
-    run_pipeline([model], [pp], 2, mesh["pp"], *batch(ARGS, 2 * rep + shard), schedule_cls=Schedule1F1B)
+    Pipeline([model], [pp], 2, mesh["pp"], schedule_cls=Schedule1F1B).step(*random_batch(ARGS, 2 * rep + shard))
     grads = named_grads(model)
     assert {g.placements for g in grads.values()} == {(Replicate(), Shard(0))}
     check_clip(grads, mesh, params=named_parameters(model))
@@ -292,7 +298,7 @@ def pp_hsdp_tp(rank: int, world_size: int) -> None:
     model = build_stage(ARGS, pp, 2)
     apply_tp(model, mesh["tp"])
     apply_fsdp(model, mesh["dp_replicate", "dp_shard"])
-    run_pipeline([model], [pp], 2, mesh["pp"], *batch(ARGS, 2 * rep + shard))
+    Pipeline([model], [pp], 2, mesh["pp"]).step(*random_batch(ARGS, 2 * rep + shard))
     grads = named_grads(model)
     assert _placement_kinds(grads) == {"_StridedShard", "Shard", "Replicate"}
     check_clip(grads, mesh, params=named_parameters(model))
@@ -307,14 +313,14 @@ def pp_fsdp2_ep(rank: int, world_size: int) -> None:
     expert dim over ``ep`` and by FSDP over ``dp_shard_mod_ep``, the same
     ranks factored 2 × 2 (``mesh._unflatten``). Stage 0 owns no expert.
     """
-    args = ModelArgs(moe_layers=(1,))
+    args = dataclasses.replace(ARGS, moe_layers=(1,))
     mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("pp", "dp_shard"))
     experts_mesh = mesh._unflatten("dp_shard", (2, 2), ("dp_shard_mod_ep", "ep"))
     pp, dp = mesh.get_coordinate()
     model = build_stage(args, pp, 2)
     apply_ep(model, experts_mesh["ep"])
     apply_fsdp(model, mesh["dp_shard"], expert_dp_mesh=experts_mesh["dp_shard_mod_ep"])
-    run_pipeline([model], [pp], 2, mesh["pp"], *batch(args, dp))
+    Pipeline([model], [pp], 2, mesh["pp"]).step(*random_batch(args, dp))
     grads = named_grads(model)
     experts = {n: g for n, g in grads.items() if ".experts." in n}
     if pp == 0:
@@ -337,14 +343,14 @@ def pp_hsdp_ep(rank: int, world_size: int) -> None:
     dp_shard_mod_ep = 1), as torchtitan lays them out: their grads are
     Replicate over dp_replicate, so they count once out of two copies.
     """
-    args = ModelArgs(moe_layers=(1,))
+    args = dataclasses.replace(ARGS, moe_layers=(1,))
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
     experts_mesh = mesh._unflatten("dp_shard", (1, 2), ("dp_shard_mod_ep", "ep"))
     pp, rep, shard = mesh.get_coordinate()
     model = build_stage(args, pp, 2)
     apply_ep(model, experts_mesh["ep"])
     apply_fsdp(model, mesh["dp_replicate", "dp_shard"], expert_dp_mesh=experts_mesh["dp_replicate", "dp_shard_mod_ep"])
-    run_pipeline([model], [pp], 2, mesh["pp"], *batch(args, 2 * rep + shard))
+    Pipeline([model], [pp], 2, mesh["pp"]).step(*random_batch(args, 2 * rep + shard))
     grads = named_grads(model)
     experts = {n: g for n, g in grads.items() if ".experts." in n}
     assert len(experts) == (2 if pp == 1 else 0)
@@ -364,7 +370,7 @@ def pp_ddp(rank: int, world_size: int) -> None:
     pp, dp = mesh.get_coordinate()
     model = build_stage(ARGS, pp, 2)
     ddp = apply_ddp(model, mesh["dp"])
-    run_pipeline([ddp], [pp], 2, mesh["stage"], *batch(ARGS, dp), schedule_cls=Schedule1F1B)
+    Pipeline([ddp], [pp], 2, mesh["stage"], schedule_cls=Schedule1F1B).step(*random_batch(ARGS, dp))
     grads = named_grads(model)
     assert _placement_kinds(grads) == {"Tensor"}
     check_clip(grads, mesh, params=named_parameters(model), pp_dim="stage")
@@ -373,14 +379,14 @@ def pp_ddp(rank: int, world_size: int) -> None:
 @layout(world_size=4)
 def interleaved_pp_fsdp2(rank: int, world_size: int) -> None:
     """Interleaved 1F1B: 4 stages on PP=2 (stages r and r + 2 on pipeline rank r) × FSDP2=2."""
-    args = ModelArgs(n_layers=4)
+    args = dataclasses.replace(ARGS, n_layers=4)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_shard"))
     pp, dp = mesh.get_coordinate()
     stage_ids = [pp, pp + 2]
     models = [build_stage(args, s, 4) for s in stage_ids]
     for m in models:
         apply_fsdp(m, mesh["dp_shard"])
-    run_pipeline(models, stage_ids, 4, mesh["pp"], *batch(args, dp))
+    Pipeline(models, stage_ids, 4, mesh["pp"]).step(*random_batch(args, dp))
     grads = named_grads(*models)
     assert {n.split(".")[1] for n in grads if n.startswith("layers.")} == {str(s) for s in stage_ids}
     check_clip(grads, mesh, params=named_parameters(*models))
@@ -397,12 +403,12 @@ def tied_embedding(rank: int, world_size: int) -> None:
     so both hold the same gradient; ``tied=`` counts it once and both copies
     are clipped.
     """
-    args = ModelArgs(tie_embeddings=True)
+    args = dataclasses.replace(ARGS, tie_embeddings=True)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_shard"))
     pp, dp = mesh.get_coordinate()
     model = build_stage(args, pp, 2)
     apply_fsdp(model, mesh["dp_shard"])
-    run_pipeline([model], [pp], 2, mesh["pp"], *batch(args, dp))
+    Pipeline([model], [pp], 2, mesh["pp"]).step(*random_batch(args, dp))
     tied_name = "tok_embeddings.weight" if pp == 0 else "output.weight"
     with torch.no_grad():  # same Shard(0) layout on both stages: the local shards line up
         dist.all_reduce(model.get_parameter(tied_name).grad.to_local(), group=mesh["pp"].get_group())
@@ -429,13 +435,13 @@ def stages_without_grads(rank: int, world_size: int) -> None:
 
     Their ranks still join the one collective and get the global norm.
     """
-    args = ModelArgs(n_layers=3)
+    args = dataclasses.replace(ARGS, n_layers=3)
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("pp",))
     pp = mesh.get_local_rank()
     model = build_stage(args, pp, 4, layers={0: [0], 1: [1], 2: [], 3: [2]}[pp])
     if pp == 1:
         model.requires_grad_(False)
-    run_pipeline([model], [pp], 4, mesh, *batch(args, 0))
+    Pipeline([model], [pp], 4, mesh).step(*random_batch(args, 0))
     grads = named_grads(model)
     if pp == 1:
         assert grads and all(g is None for g in grads.values())
@@ -457,7 +463,7 @@ def partial_grads(rank: int, world_size: int) -> None:
     pp, _ = mesh.get_coordinate()
     model = build_stage(ARGS, pp, 2)
     apply_tp(model, mesh["tp"])
-    run_pipeline([model], [pp], 2, mesh["pp"], *batch(ARGS, 0))
+    Pipeline([model], [pp], 2, mesh["pp"]).step(*random_batch(ARGS, 0))
     grads = named_grads(model)
     partial = [n for n, g in grads.items() if _is_partial(g)]
     assert partial and all(g.placements == (Partial("sum"),) for n, g in grads.items() if n in partial)
@@ -496,7 +502,7 @@ def _failures(request: pytest.FixtureRequest, case: Callable) -> str:
         ]
         try:
             _RUNS[n] = run_cases(selected, n, timeout=120 + 60 * len(selected), case_timeout=60)
-        except AssertionError as e:
+        except RanksFailed as e:
             _RUNS[n] = f"the {n}-rank run stopped early:\n{e}"
     run = _RUNS[n]
     if isinstance(run, str):

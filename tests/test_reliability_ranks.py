@@ -1,6 +1,6 @@
 """On real ranks: no silent wrong norm, and no rank left waiting in the collective.
 
-Four gloo ranks run every case in one start (``tests/_harness.py``,
+Four gloo ranks run every case in one start (``demo/harness.py``,
 ``run_cases``). A rank left inside an all-reduce that a peer skipped is
 released by gloo's timeout and its case fails; each case ends with a good
 clip on every rank, which would hang had the ranks fallen out of step.
@@ -17,10 +17,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from demo.harness import run_cases
 from ppclip_func import _measure, clip_grad_norm, clip_grad_norm_, global_grad_norm
 from tests._collectives import norm_bits
 from tests._gather import gather_objects
-from tests._harness import run_cases
 from tests._reference import assert_close_rel, reference_norm
 
 WORLD = 4

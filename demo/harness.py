@@ -1,11 +1,13 @@
 """Run a function on N real gloo ranks, with a hard timeout and per-rank error reports.
 
-One spawn per call: a worker sets up the process group once and then runs all
-of its cases, because starting processes is the slow part on 2 cores. If any
-rank raises, its traceback is reported; if the ranks do not all finish within
-``timeout`` seconds, every remaining process is killed and the test fails
-naming the ranks that hung. Gloo's own timeout is set below ours, so a rank
-stuck in a collective whose peer died errors out instead of hanging.
+The one multi-process harness of the demo, the tests and the benchmarks.
+:func:`run_ranks` starts the ranks once: each sets up the process group and
+runs ``fn``, which does all of its work, because starting processes is the
+slow part on 2 cores. If any rank raises, its traceback is reported; if the
+ranks do not all finish within ``timeout`` seconds, every remaining process
+is killed and the call fails naming the ranks that hung. Gloo's own timeout
+is set below ours, so a rank stuck in a collective whose peer died errors
+out instead of hanging. Every process is joined or killed before it returns.
 
 :func:`run_cases` runs many test cases in one start of the ranks, each
 reported on its own; ranks are forked from a fork server that has imported
@@ -16,7 +18,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import queue as queue_mod
 import socket
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,6 +28,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+__all__ = ["RanksFailed", "run_cases", "run_ranks"]
+
+
+class RanksFailed(RuntimeError):
+    """A rank raised, died, or did not finish in time; the message has each failed rank's traceback."""
 
 
 def _free_port() -> int:
@@ -72,7 +82,7 @@ def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
     *args: Any,
-    timeout: float = 240.0,
+    timeout: float,
     start_method: str = "spawn",
     pg_timeout: float | None = None,
     preload: Sequence[str] = (),
@@ -95,8 +105,8 @@ def run_ranks(
         preload: More modules for the fork server to import.
 
     Raises:
-        AssertionError: A rank raised (its traceback is included) or the ranks
-            did not finish within ``timeout`` seconds.
+        RanksFailed: A rank raised (its traceback is included), died without
+            a report, or the ranks did not finish within ``timeout`` seconds.
     """
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
@@ -113,10 +123,8 @@ def run_ranks(
         p.start()
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
-    import queue as queue_mod
-    import time
-
     deadline = time.monotonic() + timeout
+    exited = False
     try:
         while len(results) + len(errors) < world_size:
             remaining = deadline - time.monotonic()
@@ -125,10 +133,9 @@ def run_ranks(
             try:
                 rank, status, payload = queue.get(timeout=min(remaining, 1.0))
             except queue_mod.Empty:
-                if errors and all(
-                    not p.is_alive() for r, p in enumerate(procs) if r not in results and r not in errors
-                ):
-                    break
+                if exited:
+                    break  # every rank had exited before this wait: one that never reported crashed or was killed
+                exited = not any(p.is_alive() for p in procs)
                 continue
             (results if status == "ok" else errors)[rank] = payload
             if errors:
@@ -141,12 +148,14 @@ def run_ranks(
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        queue.close()
+        queue.join_thread()
     hung = [r for r in range(world_size) if r not in results and r not in errors]
     if errors or hung:
         lines = [f"rank {r} failed:\n{tb}" for r, tb in sorted(errors.items())]
         if hung:
-            lines.append(f"ranks {hung} did not finish within {timeout:.0f} s and were killed")
-        raise AssertionError("\n".join(lines))
+            lines.append(f"ranks {hung} died without a report, or did not finish within {timeout:.0f} s")
+        raise RanksFailed("\n".join(lines))
     return [results[r] for r in range(world_size)]
 
 
@@ -175,7 +184,7 @@ def run_cases(
         passed on every rank.
 
     Raises:
-        AssertionError: As :func:`run_ranks`, when the run stopped early.
+        RanksFailed: As :func:`run_ranks`, when the run stopped early.
     """
     per_rank = run_ranks(
         _case_worker,
