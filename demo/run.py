@@ -23,7 +23,7 @@ concatenated, by ``torch.linalg.vector_norm`` in float64) and prints the
 per-step norms side by side, next to the norm torch computes on each
 pipeline stage alone (what ``torch.nn.utils.clip_grad_norm_`` would clip by
 there). The demo exits non-zero if the distributed and single-process norms
-differ by more than ``--rtol`` (1e-4) at any step.
+differ by more than ``--rtol`` (1e-6) at any step.
 """
 
 from __future__ import annotations
@@ -275,7 +275,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--microbatches", type=int, default=4, help="pipeline microbatches per step (default 4)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rtol", type=float, default=1e-4, help="allowed relative difference (default 1e-4)")
+    parser.add_argument("--rtol", type=float, default=1e-6, help="allowed relative difference (default 1e-6)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds before every rank is killed (default 900)")
     args = parser.parse_args(argv)
     if min(args.pp, args.dp, args.tp, args.steps, args.microbatches) < 1:
