@@ -30,7 +30,13 @@ demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m demo
 
 # The full benchmark suite (long; `$(PY) -m bench --quick` is the CI-sized run).
+# The bandwidth study also measures the pure API under jemalloc (bench/README.md,
+# "The pure API and the C allocator"): Debian's libjemalloc2 is installed if
+# missing; without it that row is recorded as skipped. `make test` needs none of it.
 bench: $(BENCH_STAMP)
+	@$(PY) -c "import sys; from bench._allocator import find_jemalloc; sys.exit(find_jemalloc() is None)" || \
+		(command -v apt-get >/dev/null && apt-get update -qq && apt-get install -y -qq libjemalloc2) || \
+		echo "libjemalloc2 could not be installed: the jemalloc row of the bandwidth study will be skipped"
 	$(PY) -m bench
 
 test: $(STAMP)

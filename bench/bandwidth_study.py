@@ -17,27 +17,42 @@ a check that runs in seconds, not a measurement), fp32 and bf16:
 * ``ours_eager_pure`` / ``ours_compiled_pure``: ``ppclip_func.clip_grad_norm``
   (returns new tensors; the inputs are untouched)
 
+The pure variants allocate as many bytes per call as the gradients hold, so
+the C allocator decides much of their time (see bench/README.md, "The pure
+API and the C allocator"). The full run measures them again under each
+setting of :mod:`bench._allocator` (``default``, ``glibc-tuned``,
+``jemalloc``), each in a process of its own started with that environment,
+against the bound measured in that process: ``allocators`` in the JSON.
+``--allocator NAME`` runs the whole study under one setting (``--pure-only``:
+the bound and the pure variants only).
+
 Each is reported in ms and as ``fraction_of_bound`` = time(bound) / time(variant)
 (1.0 = as fast as the two flat passes), median of the per-round ratios.
 
-    python -m bench.bandwidth_study [--quick]
+    python -m bench.bandwidth_study [--quick] [--out DIR]
+    python -m bench.bandwidth_study --allocator jemalloc [--pure-only]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import pathlib
+import sys
 import traceback
 from collections.abc import Callable
 
 import torch
 
+from bench import _allocator
 from bench._report import write_result
 from bench._shapes import gpt_shapes, make_grads, make_params, numel
 from bench._timing import Timings, interleaved, machine
 from ppclip_func import clip_grad_norm, clip_grad_norm_
 
 NAME = "bandwidth"
+RESULTS = pathlib.Path(__file__).parent / "results"
 MAX_NORM = 1.0
 FULL = {"dim": 1024, "layers": 12, "vocab": 50257, "context": 1024}
 QUICK = {"dim": 64, "layers": 2, "vocab": 2048, "context": 256}
@@ -46,7 +61,7 @@ PURE = ("ours_eager_pure", "ours_compiled_pure")
 
 
 def _variants(
-    dtype: torch.dtype, shapes: list[tuple[int, ...]], backend: str, device: torch.device
+    dtype: torch.dtype, shapes: list[tuple[int, ...]], backend: str, device: torch.device, pure_only: bool
 ) -> tuple[dict[str, Callable[[], object]], dict]:
     grads = make_grads(shapes, dtype, device=device)
     params = make_params(grads)
@@ -79,12 +94,16 @@ def _variants(
         "ours_eager_inplace": lambda: ours_inplace(params),
         "ours_eager_pure": lambda: ours_pure(grads),
     }
-    errors: dict[str, str] = {}
-    for name, fn, arg in (
+    to_compile = [
         ("torch_compiled", torch_clip, params),
         ("ours_compiled_inplace", ours_inplace, params),
         ("ours_compiled_pure", ours_pure, grads),
-    ):
+    ]
+    if pure_only:
+        variants = {k: v for k, v in variants.items() if k == "bound_pure" or k in PURE}
+        to_compile = [c for c in to_compile if c[0] in PURE]
+    errors: dict[str, str] = {}
+    for name, fn, arg in to_compile:
         compiled = torch.compile(fn, fullgraph=True, backend=backend)
         try:
             compiled(arg)  # compile here, outside the timed rounds
@@ -107,7 +126,9 @@ def _summarize(t: Timings, n: int, dtype: torch.dtype) -> dict:
         "ms": t.all_ms(),
         "fraction_of_bound": frac,
         # read (sum) + read and write (scale): three passes over the buffer
-        "bound_GBps": {b: 3 * nbytes / (t.ms(b) * 1e-3) / 1e9 for b in ("bound_inplace", "bound_pure")},
+        "bound_GBps": {
+            b: 3 * nbytes / (t.ms(b) * 1e-3) / 1e9 for b in ("bound_inplace", "bound_pure") if b in t.samples
+        },
     }
 
 
@@ -119,8 +140,12 @@ def measure(
     runs: int,
     warmup: int,
     backend: str,
+    pure_only: bool = False,
 ) -> dict:
-    """Times every variant on ``device`` for each dtype; the JSON body of a bandwidth study."""
+    """Times every variant on ``device`` for each dtype; the JSON body of a bandwidth study.
+
+    ``pure_only``: the pure bound and the pure variants only.
+    """
     device = torch.device(device)
     shapes = [s for _, s in named_shapes]
     n = numel(shapes)
@@ -131,31 +156,73 @@ def measure(
         "warmup": warmup,
         "model": {"leaves": len(shapes), "params": n},
         "compile_backend": backend,
+        "allocator": _allocator.active(),
         "max_norm": MAX_NORM,
         "dtypes": {},
         "errors": {},
+        # 1-minute load average before and after: the machine may be shared
+        "loadavg": [os.getloadavg()[0]],
     }
     for dtype in dtypes:
-        variants, errors = _variants(dtype, shapes, backend, device)
+        variants, errors = _variants(dtype, shapes, backend, device, pure_only)
         t = interleaved(variants, runs=runs, warmup=warmup)
         name = str(dtype).removeprefix("torch.")
         result["dtypes"][name] = _summarize(t, n, dtype)
         result["errors"].update({f"{name}/{k}": v for k, v in errors.items()})
         del variants
         torch._dynamo.reset()
+    result["loadavg"].append(os.getloadavg()[0])
     return result
 
 
 def run(quick: bool = False, out: pathlib.Path | None = None) -> dict:
-    """Measures every variant in fp32 and bf16; writes ``<out>/bandwidth.json`` and returns it."""
+    """Measures every variant in fp32 and bf16, and the pure ones under each allocator; writes ``<out>/bandwidth.json``.
+
+    The pure variants under the allocator this process runs with are taken
+    from the main measurement; under each other setting they are measured in
+    a process started with that setting (``allocators`` in the result; a
+    setting that cannot be used here, jemalloc not installed, is recorded as
+    ``skipped``).
+    """
+    result = _measure_here(quick, pure_only=False)
+    here = result["allocator"]
+    allocators = {here: _pure_summary(result)}
+    for name in _allocator.ALLOCATORS:
+        if name == here:
+            continue
+        args = ["--allocator", name, "--pure-only", *(["--quick"] if quick else [])]
+        try:
+            allocators[name] = _pure_summary(_allocator.run_module(f"bench.{NAME}_study", args, name))
+        except FileNotFoundError as e:
+            allocators[name] = {"skipped": str(e)}
+        except RuntimeError as e:
+            result["errors"][f"allocator {name}"] = str(e)
+    result["allocators"] = {name: allocators[name] for name in _allocator.ALLOCATORS if name in allocators}
+    write_result(result, out)
+    return result
+
+
+def _measure_here(quick: bool, pure_only: bool) -> dict:
     cfg = QUICK if quick else FULL
     runs, warmup = (5, 1) if quick else (9, 2)
     backend = "aot_eager" if quick else "inductor"
-    body = measure(gpt_shapes(**cfg), (torch.float32, torch.bfloat16), runs=runs, warmup=warmup, backend=backend)
+    dtypes = (torch.float32, torch.bfloat16)
+    body = measure(gpt_shapes(**cfg), dtypes, runs=runs, warmup=warmup, backend=backend, pure_only=pure_only)
     body["model"]["shapes"] = f"GPT-2 {cfg}"
-    result = {"study": NAME, "quick": quick, **body}
-    write_result(result, out)
-    return result
+    return {"study": NAME, "quick": quick, **body}
+
+
+def _pure_summary(result: dict) -> dict:
+    """The pure bound and variants of a result, with the load it was measured under."""
+    keep = ("bound_pure", *PURE)
+    dtypes = {
+        d: {
+            "ms": {k: v for k, v in r["ms"].items() if k in keep},
+            "fraction_of_bound": {k: v for k, v in r["fraction_of_bound"].items() if k in keep},
+        }
+        for d, r in result["dtypes"].items()
+    }
+    return {"dtypes": dtypes, "loadavg": result["loadavg"], "errors": result["errors"]}
 
 
 def plot(result: dict, path: pathlib.Path) -> None:
@@ -186,12 +253,25 @@ def plot(result: dict, path: pathlib.Path) -> None:
 
 
 def print_result(result: dict) -> None:
-    """Per dtype: the bound's bandwidth, then each variant's ms and fraction of the bound."""
+    """Per dtype: the bound's bandwidth, then each variant's ms and fraction of the bound; then per allocator."""
+    print(f"allocator: {result['allocator']}, 1-minute load {result['loadavg']}")
     for dtype, d in result["dtypes"].items():
-        print(f"{dtype}: bound {d['bound_GBps']['bound_inplace']:.1f} GB/s")
+        gbps = ", ".join(f"{b} {v:.1f} GB/s" for b, v in d["bound_GBps"].items())
+        print(f"{dtype}: {gbps}")
         for v, ms in d["ms"].items():
             frac = d["fraction_of_bound"].get(v)
             print(f"  {v:<24} {ms:9.2f} ms" + (f"   {frac:5.2f} of bound" if frac is not None else ""))
+    for name, a in result.get("allocators", {}).items():
+        if "skipped" in a:
+            print(f"pure under {name}: skipped ({a['skipped']})")
+            continue
+        cells = [
+            f"{dtype} {v.removeprefix('ours_')} {a['dtypes'][dtype]['fraction_of_bound'][v]:.2f}"
+            for dtype in a["dtypes"]
+            for v in PURE
+            if v in a["dtypes"][dtype]["fraction_of_bound"]
+        ]
+        print(f"pure under {name} (load {a['loadavg']}): " + ", ".join(cells))
     if result["errors"]:
         print("errors:", result["errors"])
 
@@ -199,7 +279,30 @@ def print_result(result: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    print_result(run(quick=parser.parse_args().quick))
+    parser.add_argument("--out", type=pathlib.Path, default=None, help="results folder (default bench/results)")
+    parser.add_argument(
+        "--allocator",
+        choices=_allocator.ALLOCATORS,
+        help="run the study in a new process under this C allocator setting; writes bandwidth-<allocator>.json",
+    )
+    parser.add_argument("--pure-only", action="store_true", help="with --allocator: the pure variants only")
+    parser.add_argument("--json", type=pathlib.Path, help=argparse.SUPPRESS)  # where a child writes its result
+    args = parser.parse_args()
+    if args.allocator is None:
+        print_result(run(quick=args.quick, out=args.out))
+    elif not _allocator.started_under(args.allocator):
+        forwarded = ["--allocator", args.allocator, *(["--quick"] if args.quick else [])]
+        forwarded += ["--pure-only"] if args.pure_only else []
+        result = _allocator.run_module(f"bench.{NAME}_study", forwarded, args.allocator)
+        out = args.out or RESULTS
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{NAME}-{args.allocator}.json").write_text(json.dumps(result, indent=2) + "\n")
+        print_result(result)
+    else:  # the child: started with the allocator's environment
+        result = _measure_here(args.quick, args.pure_only)
+        if args.json is None:
+            sys.exit("--allocator: run without --json only by the parent process")
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -70,9 +70,9 @@ def scale(
         inplace: Scale the tensors themselves instead of returning new ones.
         keep: Optional 0-dim bool tensor; where ``False`` every result is
             zero (``nonfinite="zero"``). ``coef * inf`` would be ``nan``, so
-            this is a ``where``, not a zero coefficient: one more pass over
-            the gradients in eager mode, fused with the multiply under
-            ``torch.compile``.
+            the products are zeroed after the multiply, not multiplied by a
+            zero coefficient: one more pass over the gradients in eager mode,
+            fused with the multiply under ``torch.compile``.
 
     Returns:
         The scaled tensors in input order (the inputs themselves when
@@ -86,16 +86,19 @@ def scale(
     for (device, dtype), idx in buckets.items():
         group = [tensors[i] for i in idx]
         c = coef.to(device, torch.float64 if dtype == torch.float64 else torch.float32)
-        k = None if keep is None else keep.to(device)
+        drop = None if keep is None else ~keep.to(device)
         if inplace:
             torch._foreach_mul_(group, c)
-            if k is not None:
+            if drop is not None:
                 for t in group:
-                    t.masked_fill_(~k, 0.0)
-        else:
-            for i, t in zip(idx, torch._foreach_mul(group, c)):
-                if k is not None:
-                    t = torch.where(k, t, 0.0)
-                # A 0-dim grad times the 0-dim fp32 coefficient promotes to fp32.
-                out[i] = t if t.dtype == tensors[i].dtype else t.to(tensors[i].dtype)
+                    t.masked_fill_(drop, 0.0)
+            continue
+        for i, t in zip(idx, torch._foreach_mul(group, c)):
+            if drop is not None:
+                # In place even for the pure API: the products are this call's
+                # own tensors, and a torch.where would allocate (and on CPU,
+                # page-fault in) a second copy of every gradient.
+                t.masked_fill_(drop, 0.0)
+            # A 0-dim grad times the 0-dim fp32 coefficient promotes to fp32.
+            out[i] = t if t.dtype == tensors[i].dtype else t.to(tensors[i].dtype)
     return out

@@ -18,6 +18,7 @@ import sys
 
 import pytest
 
+from bench import _allocator
 from tests._processes import python, run_bounded
 
 TIMEOUT_S = 420
@@ -79,6 +80,35 @@ def test_bandwidth_schema(results: pathlib.Path):
         _positive_numbers(d["fraction_of_bound"], f"{dtype} fraction_of_bound")
         _positive_numbers(d["bound_GBps"], f"{dtype} bound_GBps")
         assert set(d["fraction_of_bound"]) == set(d["ms"]) - {"bound_inplace", "bound_pure"}
+    # The pure variants again under every C allocator setting, each in a process of its own.
+    assert data["allocator"] in _allocator.ALLOCATORS
+    assert set(data["allocators"]) == set(_allocator.ALLOCATORS)
+    for name, a in data["allocators"].items():
+        if "skipped" in a:
+            assert name == "jemalloc" and _allocator.find_jemalloc() is None, (name, a)
+            continue
+        assert not a["errors"], (name, a["errors"])
+        for dtype, d in a["dtypes"].items():
+            assert set(d["ms"]) == {"bound_pure", "ours_eager_pure", "ours_compiled_pure"}
+            _positive_numbers(d["fraction_of_bound"], f"{name} {dtype} fraction_of_bound")
+
+
+@pytest.mark.skipif(
+    _allocator.find_jemalloc() is None, reason="libjemalloc is not installed (`make bench` installs libjemalloc2)"
+)
+def test_bandwidth_study_reexecutes_itself_under_jemalloc(tmp_path: pathlib.Path):
+    cmd = [python(), "-m", "bench.bandwidth_study", "--quick", "--allocator", "jemalloc", "--pure-only"]
+    code, log, leftovers = run_bounded([*cmd, "--out", str(tmp_path)], 180)
+    assert not leftovers, f"processes left behind: {leftovers}"
+    assert code == 0, f"bandwidth_study --allocator jemalloc exited with {code}:\n{log[-4000:]}"
+    data = json.loads((tmp_path / "bandwidth-jemalloc.json").read_text())
+    assert data["study"] == "bandwidth"
+    # read in the child from /proc/self/maps: jemalloc was loaded, not just asked for
+    assert data["allocator"] == "jemalloc"
+    assert not data["errors"], data["errors"]
+    for dtype, d in data["dtypes"].items():
+        assert set(d["ms"]) == {"bound_pure", "ours_eager_pure", "ours_compiled_pure"}
+        _positive_numbers(d["fraction_of_bound"], f"{dtype} fraction_of_bound")
 
 
 def test_leaves_schema(results: pathlib.Path):
