@@ -1,22 +1,43 @@
 """Local statistics: one rank's weighted contribution to each norm, before any collective.
 
-The heavy work reads every local shard once, accumulating in float32 at least
-(float64 for float64 grads, or for all grads with ``overflow_safe``), so
-bf16/fp16 gradients keep fp32 precision. Small leaves go through one
-``torch._foreach_norm`` per (device, dtype); a leaf larger than ``CHUNK``
-elements is viewed as rows of ``CHUNK`` and reduced row-wise in one
-``vector_norm`` call. Chunking is for accuracy: torch's CPU norm kernel
-accumulates a whole tensor sequentially, which loses about 1e-3 relative on a
-25M-element fp32 leaf; per-chunk sums of 4096 elements combined in float64
-stay within about 1e-8 (fp32) and 5e-7 (bf16) there, at the same speed. The
-per-chunk norms are raised to the p-th power, weighted and summed in
-float64; that touches one scalar per 4096 elements and costs little next to
-reading the gradients.
+Every local shard is read once and accumulated in float32 at least (float64
+for float64 grads, or for all grads with ``overflow_safe``), so bf16/fp16
+gradients keep fp32 precision. Leaves are bucketed by (group, weight), and
+each bucket yields one float64 statistic (``sum |x|^p``, a count, a max or a
+min).
+
+Accuracy comes from short accumulations. torch's CPU norm kernels add a
+whole tensor into one accumulator (16 vector lanes for an fp32 2-norm, one
+scalar for the other orders and for a bf16 input with an fp32 result), which
+loses about 1e-3 relative on a 25M-element fp32 leaf and 1e-6 already on 4096
+positive elements with ``p=1``. So a 2-norm is taken over rows of ``ROW``
+elements, and a ``p != 2`` norm is a cascade ``sum`` of ``|x|^p``; the
+partial results are combined in float64.
+
+Eager on CPU (the speed path), per bucket:
+
+* fp32 2-norms of dense leaves up to ``WHOLE`` elements: one
+  ``torch._foreach_norm`` over all of them (as torch's own clip does); larger
+  dense ones: one row-wise ``vector_norm`` per leaf, read in place;
+* ``±inf``: whole-leaf ``_foreach_norm`` (exact in any order and dtype), and
+  ``aminmax`` for large leaves; ``0``: counts, exact below 2^24 per leaf;
+* everything else (bf16/fp16 leaves, strided leaves, ``p != 2``): streamed
+  through a reused scratch buffer of ``BLOCK`` elements in the accumulation
+  dtype, filled by conversion copies (small leaves packed by one ``cat``),
+  then reduced per block. torch's CPU norm with a bf16 input and an fp32
+  result is several times slower than a bf16->fp32 copy plus an fp32 norm of
+  a block that stays in cache. The buffer is per thread, device and dtype
+  (at most 2 MiB each), so concurrent clips never share one.
+
+Under ``torch.compile``, and on other devices, a portable form runs instead:
+no scratch buffer, no Python loop over blocks (see :func:`_traced_norms`).
 """
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
+from collections.abc import Iterator
 
 import torch
 
@@ -25,59 +46,22 @@ from ._norms import NormKind
 __all__: list[str] = []
 
 STAT_DTYPE = torch.float64
-CHUNK = 1 << 12
+# Elements per row of a row-wise 2-norm: 128 per vector lane of torch's kernel. Rounding in its
+# accumulator is biased for bf16 data: -1.3e-7 relative to the norm here, -4.8e-7 with rows of 4096.
+ROW = 1 << 11
+# Elements per scratch block: 1 MiB in fp32, so a copied block is reduced while it is still in cache.
+BLOCK = 1 << 18
+# fp32 dense leaves up to this size have their 2-norm taken whole (measured within 5e-7 of float64).
+WHOLE = 1 << 15
+# Leaves up to this size (contiguous ones; any up to ROW) are packed into the scratch by one cat.
+PACK = 1 << 15
+# Norm-0 counts are exact in fp32 up to 2^24.
+COUNT_WHOLE = 1 << 23
 
+# Rows of the traced form.
+TRACE_ROW = 1 << 12
 
-def leaf_norms(tensors: list[torch.Tensor], kind: NormKind, *, overflow_safe: bool = False) -> list[list[torch.Tensor]]:
-    """Returns, for each tensor, the ``vector_norm``s of its chunks, in fp32 or fp64.
-
-    Each tensor's chunks partition its elements, so its norm statistic is the
-    sum (max, min) of its chunks' statistics. A dense tensor (contiguous up to
-    a permutation of dims) of more than ``CHUNK`` elements is split into rows
-    of ``CHUNK`` (one 1-D tensor of row norms) plus a remainder (a 0-dim
-    norm); others (e.g. a strided slice) are one chunk, a 0-dim norm from a
-    foreach call. With ``overflow_safe``, every leaf accumulates in
-    float64: an fp32 leaf whose sum of squares passes 3.4e38 (elements around
-    1e19 and up) then still has a finite norm. It is off by default because
-    torch's eager float64 accumulation is much slower than float32 on CPU.
-    """
-    pieces: list[list[torch.Tensor]] = [[] for _ in tensors]
-    whole: dict[tuple[torch.device, torch.dtype], list[tuple[int, torch.Tensor]]] = defaultdict(list)
-    for i, t in enumerate(tensors):
-        if t.numel() > CHUNK:
-            t = _dense_view(t)
-            rows = t.numel() // CHUNK if t.is_contiguous() else 0
-            if rows:
-                flat = t.view(-1)
-                body = flat[: rows * CHUNK].view(rows, CHUNK)
-                acc = _acc_dtype(t.dtype, overflow_safe)
-                pieces[i].append(torch.linalg.vector_norm(body, kind.p, dim=1, dtype=acc))
-                t = flat[rows * CHUNK :]
-                if t.numel() == 0:
-                    continue
-        whole[(t.device, t.dtype)].append((i, t))
-    for (_, dtype), items in whole.items():
-        norms = torch._foreach_norm([t for _, t in items], kind.p, dtype=_acc_dtype(dtype, overflow_safe))
-        for (i, _), n in zip(items, norms):
-            pieces[i].append(n)
-    return pieces
-
-
-def _dense_view(t: torch.Tensor) -> torch.Tensor:
-    """Returns ``t`` with its dims permuted into memory order when that makes it contiguous.
-
-    A norm does not depend on element order, so a transposed gradient is
-    reduced in the order its storage holds it, and can be chunked too.
-    """
-    if t.is_contiguous() or t.dim() < 2:
-        return t
-    order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
-    u = t.permute(order)
-    return u if u.is_contiguous() else t
-
-
-def _acc_dtype(dtype: torch.dtype, overflow_safe: bool) -> torch.dtype:
-    return torch.float64 if overflow_safe else torch.promote_types(dtype, torch.float32)
+_SCRATCH = threading.local()
 
 
 def local_statistics(
@@ -99,7 +83,10 @@ def local_statistics(
         n_groups: Number of groups.
         kind: The norm being computed.
         device: Where the statistics live (the grads' device).
-        overflow_safe: Accumulate every leaf in float64 (see :func:`leaf_norms`).
+        overflow_safe: Accumulate every leaf in float64: an fp32 leaf whose
+            sum of squares passes 3.4e38 (elements around 1e19 and up) then
+            still has a finite norm. Off by default because torch's eager
+            float64 accumulation is slower than float32 on CPU.
 
     Returns:
         A float64 vector. For sum and max norms it has ``n_groups`` entries.
@@ -111,35 +98,275 @@ def local_statistics(
     out = torch.full((width,), kind.identity, dtype=STAT_DTYPE, device=device)
     if kind.op == "min":
         out[n_groups:] = 0.0
-    live = [i for i, t in enumerate(tensors) if t.numel() > 0]
-    norms = leaf_norms([tensors[i] for i in live], kind, overflow_safe=overflow_safe)
-
-    # Bucket chunk norms by (group, weight): one stack/cat and one reduction per bucket.
-    buckets: dict[tuple[int, float], tuple[list[torch.Tensor], list[torch.Tensor]]] = defaultdict(lambda: ([], []))
-    for i, pieces in zip(live, norms):
-        weight = weights[i] if kind.op == "sum" else 1.0
-        scalars, rows = buckets[(groups[i], weight)]
-        for n in pieces:
-            (rows if n.dim() else scalars).append(n)
+    # Leaves of one (group, weight) are summed (maxed) together: one statistic per bucket.
+    buckets: dict[tuple[int, float], list[torch.Tensor]] = defaultdict(list)
+    for t, w, g in zip(tensors, weights, groups):
+        if t.numel() > 0:
+            buckets[(g, w if kind.op == "sum" else 1.0)].append(t)
     per_group: dict[int, list[torch.Tensor]] = defaultdict(list)
-    for (g, weight), (scalars, rows) in buckets.items():
-        parts = [r.to(STAT_DTYPE) for r in rows]
-        if scalars:
-            parts.append(torch.stack(scalars).to(STAT_DTYPE))
-        stats = kind.power(parts[0] if len(parts) == 1 else torch.cat(parts))
-        if kind.op == "sum":
-            per_group[g].append(stats.sum() * weight)
-        elif kind.op == "max":
-            per_group[g].append(stats.max())
-        else:
-            per_group[g].append(stats.min())
+    for (g, weight), members in buckets.items():
+        stat = bucket_statistic(members, kind, overflow_safe=overflow_safe)
+        per_group[g].append(stat * weight if kind.op == "sum" and weight != 1.0 else stat)
     for g, parts in per_group.items():
-        stacked = torch.stack(parts)
-        if kind.op == "sum":
-            out[g] = stacked.sum()
-        elif kind.op == "max":
-            out[g] = stacked.max()
-        else:
-            out[g] = stacked.min()
+        out[g] = parts[0] if len(parts) == 1 else _combine(kind, torch.stack(parts))
+        if kind.op == "min":
             out[n_groups + g] = -1.0
     return out
+
+
+def bucket_statistic(tensors: list[torch.Tensor], kind: NormKind, *, overflow_safe: bool = False) -> torch.Tensor:
+    """Returns the 0-dim float64 statistic of all elements of ``tensors`` together (none empty).
+
+    ``sum |x|^p`` for ``p > 0``, the non-zero count for ``0``, ``max |x|`` or
+    ``min |x|`` for ``±inf``.
+    """
+    if torch.compiler.is_compiling() or tensors[0].device.type != "cpu":
+        norms, stats = _traced_norms(tensors, kind, overflow_safe), []
+    else:
+        norms, stats = _EagerCpu(kind, overflow_safe).run(tensors)
+    parts = [kind.power(_flat64(norms))] if norms else []
+    if stats:
+        # Max entries may come from aminmax, signed; every other statistic is already >= 0.
+        parts.append(_flat64(stats).abs() if kind.op == "max" else _flat64(stats))
+    return _combine(kind, parts[0] if len(parts) == 1 else torch.cat(parts))
+
+
+def _flat64(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """The 0-dim and 1-D ``pieces`` as one float64 vector, with as few calls as possible."""
+    by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = defaultdict(lambda: ([], []))
+    for p in pieces:
+        by_dtype[p.dtype][p.dim() != 0].append(p)
+    parts = []
+    for scalars, vectors in by_dtype.values():
+        if scalars:
+            vectors.append(torch.stack(scalars))
+        parts.append((vectors[0] if len(vectors) == 1 else torch.cat(vectors)).to(STAT_DTYPE))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _combine(kind: NormKind, stats: torch.Tensor) -> torch.Tensor:
+    if kind.op == "sum":
+        return stats.sum()
+    return stats.max() if kind.op == "max" else stats.min()
+
+
+def _acc_dtype(dtype: torch.dtype, overflow_safe: bool) -> torch.dtype:
+    # Not torch.promote_types: that is a dispatched op, a microsecond per leaf. Grads are real floating point.
+    return torch.float64 if overflow_safe or dtype == torch.float64 else torch.float32
+
+
+def _dense_view(t: torch.Tensor) -> torch.Tensor:
+    """Returns ``t`` with its dims permuted into memory order (outermost first).
+
+    A norm does not depend on element order, so a transposed gradient is
+    reduced in the order its storage holds it, and is contiguous then.
+    """
+    if t.is_contiguous() or t.dim() < 2:
+        return t
+    return t.permute(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
+
+
+# --- eager, CPU ------------------------------------------------------------------------------
+
+
+class _EagerCpu:
+    """One bucket's statistics in eager mode on CPU: norms (to be raised to ``p``) and ready statistics."""
+
+    def __init__(self, kind: NormKind, overflow_safe: bool) -> None:
+        self.kind = kind
+        self.overflow_safe = overflow_safe
+        self.norms: list[torch.Tensor] = []
+        self.stats: list[torch.Tensor] = []
+        self.streams: dict[torch.dtype, _Stream] = {}
+
+    def run(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        kind, safe = self.kind, self.overflow_safe
+        # Leaves reduced whole by one foreach call per input dtype.
+        whole: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+        if kind.op == "sum" and kind.p == 2.0:
+            for t in tensors:
+                dtype, n = t.dtype, t.numel()
+                if dtype == _acc_dtype(dtype, safe):
+                    if n <= ROW:
+                        whole[dtype].append(t)
+                        continue
+                    dense = t if t.is_contiguous() else _dense_view(t)
+                    if dense.is_contiguous():
+                        if n <= WHOLE:
+                            whole[dtype].append(t)
+                            continue
+                        # One row-wise norm, read in place; the last partial row joins the foreach call.
+                        flat = dense.view(-1)
+                        rows = n // ROW
+                        self.norms.append(torch.linalg.vector_norm(flat[: rows * ROW].view(rows, ROW), dim=1))
+                        if n > rows * ROW:
+                            whole[dtype].append(flat[rows * ROW :])
+                        continue
+                self._stream(_acc_dtype(dtype, safe)).add(t)
+        elif kind.op != "sum":  # max and min are exact in any dtype and order
+            for t in tensors:
+                if t.numel() <= BLOCK:
+                    whole[t.dtype].append(t)
+                elif kind.op == "max":
+                    self.stats.extend(torch.aminmax(t))
+                else:
+                    self._stream(_acc_dtype(t.dtype, safe)).add(t)
+        elif kind.p == 0.0:  # counts, exact in fp32 up to 2^24
+            for t in tensors:
+                if t.numel() <= COUNT_WHOLE:
+                    whole[t.dtype].append(t)
+                else:
+                    self.stats.append(torch.count_nonzero(t))
+        else:
+            for t in tensors:
+                self._stream(_acc_dtype(t.dtype, safe)).add(t)
+        for stream in self.streams.values():
+            stream.flush()
+        for dtype, items in whole.items():
+            # Max and min are exact in the grads' own dtype; sums and counts need the accumulation dtype.
+            acc = _acc_dtype(dtype, safe) if kind.op == "sum" else dtype
+            self.norms.extend(torch._foreach_norm(items, kind.p, dtype=None if acc == dtype else acc))
+        return self.norms, self.stats
+
+    def _stream(self, acc: torch.dtype) -> _Stream:
+        if acc not in self.streams:
+            self.streams[acc] = _Stream(self, _scratch(acc))
+        return self.streams[acc]
+
+    def reduce_block(self, block: torch.Tensor) -> None:
+        """Adds the statistics of a filled 1-D scratch block (it may be overwritten)."""
+        kind = self.kind
+        if kind.op == "sum" and kind.p == 2.0:
+            rows = block.numel() // ROW
+            if rows:
+                self.norms.append(torch.linalg.vector_norm(block[: rows * ROW].view(rows, ROW), dim=1))
+            if block.numel() > rows * ROW:
+                self.norms.append(torch.linalg.vector_norm(block[rows * ROW :]))
+        elif kind.op == "sum" and kind.p == 0.0:
+            self.stats.append(torch.count_nonzero(block))
+        elif kind.op == "sum":
+            block.abs_()
+            if kind.p != 1.0:
+                block.pow_(kind.p)
+            self.stats.append(block.sum())  # a cascade sum: accurate at any length
+        else:
+            block.abs_()
+            self.stats.append(block.amax() if kind.op == "max" else block.amin())
+
+
+class _Stream:
+    """Feeds leaves through a scratch buffer in the accumulation dtype, one block at a time.
+
+    The full blocks of a large dense leaf are copied (converted) straight into
+    the buffer and reduced at once. Everything else (small leaves, the tails
+    of large ones, pieces of strided leaves) waits until :meth:`flush`, which
+    packs it side by side: runs of contiguous items by one ``cat``, strided
+    pieces (at most ``BLOCK`` elements each, cut along the outermost dims in
+    memory order) by one ``copy_`` each. A strided leaf is never copied whole.
+    """
+
+    def __init__(self, owner: _EagerCpu, buf: torch.Tensor) -> None:
+        self.owner = owner
+        self.buf = buf
+        self.pending: list[torch.Tensor] = []
+
+    def add(self, t: torch.Tensor) -> None:
+        n = t.numel()
+        if n <= ROW or (n <= PACK and t.is_contiguous()):
+            self.pending.append(t.reshape(-1))
+            return
+        t = _dense_view(t)
+        if not t.is_contiguous():
+            self.pending.extend(_pieces(t, BLOCK))
+            return
+        flat = t.view(-1)
+        full = n - n % BLOCK
+        for a in range(0, full, BLOCK):
+            self.buf.copy_(flat[a : a + BLOCK])
+            self.owner.reduce_block(self.buf)
+        if full < n:
+            self.pending.append(flat[full:])
+
+    def flush(self) -> None:
+        buf, fill, run, run_at = self.buf, 0, [], 0
+        for item in self.pending:
+            n = item.numel()
+            if fill + n > BLOCK:
+                if run:
+                    torch.cat(run, out=buf[run_at:fill])
+                    run = []
+                self.owner.reduce_block(buf[:fill])
+                fill = 0
+            if item.dim() == 1 and item.is_contiguous():
+                if not run:
+                    run_at = fill
+                run.append(item)
+            else:
+                if run:
+                    torch.cat(run, out=buf[run_at:fill])
+                    run = []
+                buf[fill : fill + n].view(item.shape).copy_(item)
+            fill += n
+        if run:
+            torch.cat(run, out=buf[run_at:fill])
+        if fill:
+            self.owner.reduce_block(buf[:fill])
+        self.pending = []
+
+
+def _pieces(t: torch.Tensor, limit: int) -> Iterator[torch.Tensor]:
+    """Views that partition ``t``, each of at most ``limit`` elements, cut along the leading dims."""
+    if t.numel() <= limit:
+        yield t
+        return
+    if t.dim() == 1:
+        for a in range(0, t.shape[0], limit):
+            yield t[a : a + limit]
+        return
+    inner = t.numel() // t.shape[0]
+    if inner > limit:
+        for i in range(t.shape[0]):
+            yield from _pieces(t[i], limit)
+        return
+    step = limit // inner
+    for a in range(0, t.shape[0], step):
+        yield t[a : a + step]
+
+
+def _scratch(dtype: torch.dtype) -> torch.Tensor:
+    """This thread's reusable CPU scratch buffer of ``BLOCK`` elements of ``dtype``."""
+    buffers = _SCRATCH.__dict__.setdefault("buffers", {})
+    buf = buffers.get(dtype)
+    if buf is None:
+        # A normal tensor even when first made under inference_mode, so that later calls may write it.
+        with torch.inference_mode(False):
+            buf = buffers[dtype] = torch.empty(BLOCK, dtype=dtype)
+    return buf
+
+
+# --- traced (torch.compile) and non-CPU devices ----------------------------------------------
+
+
+def _traced_norms(tensors: list[torch.Tensor], kind: NormKind, overflow_safe: bool) -> list[torch.Tensor]:
+    """Norms whose ``kind.power`` sums to the statistic: whole small leaves, rows of ``ROW`` for large ones.
+
+    Shape-static code with no scratch buffer, for tracing and for accelerators.
+    """
+    pieces: list[torch.Tensor] = []
+    whole: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+    for t in tensors:
+        acc = _acc_dtype(t.dtype, overflow_safe)
+        if t.numel() > TRACE_ROW:
+            t = _dense_view(t)
+            rows = t.numel() // TRACE_ROW if t.is_contiguous() else 0
+            if rows:
+                flat = t.view(-1)
+                body = flat[: rows * TRACE_ROW].view(rows, TRACE_ROW)
+                pieces.append(torch.linalg.vector_norm(body, kind.p, dim=1, dtype=acc))
+                t = flat[rows * TRACE_ROW :]
+                if t.numel() == 0:
+                    continue
+        whole[t.dtype].append(t)
+    for dtype, items in whole.items():
+        pieces.extend(torch._foreach_norm(items, kind.p, dtype=_acc_dtype(dtype, overflow_safe)))
+    return pieces
