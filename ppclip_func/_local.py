@@ -100,9 +100,14 @@ def local_statistics(
         out[n_groups:] = 0.0
     # Leaves of one (group, weight) are summed (maxed) together: one statistic per bucket.
     buckets: dict[tuple[int, float], list[torch.Tensor]] = defaultdict(list)
-    for t, w, g in zip(tensors, weights, groups):
-        if t.numel() > 0:
-            buckets[(g, w if kind.op == "sum" else 1.0)].append(t)
+    if len(set(groups)) == 1 and (kind.op != "sum" or len(set(weights)) == 1):  # one bucket: no per-leaf keys
+        live = [t for t in tensors if t.numel() > 0]
+        if live:
+            buckets[(groups[0], weights[0] if kind.op == "sum" else 1.0)] = live
+    else:
+        for t, w, g in zip(tensors, weights, groups):
+            if t.numel() > 0:
+                buckets[(g, w if kind.op == "sum" else 1.0)].append(t)
     per_group: dict[int, list[torch.Tensor]] = defaultdict(list)
     for (g, weight), members in buckets.items():
         stat = bucket_statistic(members, kind, overflow_safe=overflow_safe)
@@ -184,9 +189,10 @@ class _EagerCpu:
         # Leaves reduced whole by one foreach call per input dtype.
         whole: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
         if kind.op == "sum" and kind.p == 2.0:
+            own = (torch.float64,) if safe else (torch.float32, torch.float64)  # dtypes that are their own acc
             for t in tensors:
                 dtype, n = t.dtype, t.numel()
-                if dtype == _acc_dtype(dtype, safe):
+                if dtype in own:
                     if n <= ROW:
                         whole[dtype].append(t)
                         continue
@@ -225,7 +231,8 @@ class _EagerCpu:
         for dtype, items in whole.items():
             # Max and min are exact in the grads' own dtype; sums and counts need the accumulation dtype.
             acc = _acc_dtype(dtype, safe) if kind.op == "sum" else dtype
-            self.norms.extend(torch._foreach_norm(items, kind.p, dtype=None if acc == dtype else acc))
+            norms = torch._foreach_norm(items, kind.p, dtype=None if acc == dtype else acc)
+            self.norms.append(torch.stack(norms) if len(norms) > 1 else norms[0])
         return self.norms, self.stats
 
     def _stream(self, acc: torch.dtype) -> _Stream:
@@ -348,25 +355,41 @@ def _scratch(dtype: torch.dtype) -> torch.Tensor:
 
 
 def _traced_norms(tensors: list[torch.Tensor], kind: NormKind, overflow_safe: bool) -> list[torch.Tensor]:
-    """Norms whose ``kind.power`` sums to the statistic: whole small leaves, rows of ``ROW`` for large ones.
+    """Norms whose ``kind.power`` sums to the statistic, in shape-static code with no scratch buffer.
 
-    Shape-static code with no scratch buffer, for tracing and for accelerators.
+    For tracing, and for accelerators in eager mode. ``_foreach_norm`` stays
+    one call to torch's kernel under inductor (whose accuracy is the eager
+    one, above), so it takes only the leaves that kernel reduces accurately;
+    larger leaves get a row-wise ``vector_norm``, which inductor generates as
+    its own reduction, and a strided leaf one ``vector_norm`` over each index
+    of its outermost dim.
     """
     pieces: list[torch.Tensor] = []
     whole: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
     for t in tensors:
         acc = _acc_dtype(t.dtype, overflow_safe)
-        if t.numel() > TRACE_ROW:
-            t = _dense_view(t)
-            rows = t.numel() // TRACE_ROW if t.is_contiguous() else 0
-            if rows:
-                flat = t.view(-1)
-                body = flat[: rows * TRACE_ROW].view(rows, TRACE_ROW)
-                pieces.append(torch.linalg.vector_norm(body, kind.p, dim=1, dtype=acc))
-                t = flat[rows * TRACE_ROW :]
-                if t.numel() == 0:
-                    continue
-        whole[t.dtype].append(t)
+        n = t.numel()
+        if kind.op != "sum":
+            limit = n  # max and min are exact in any order
+        elif kind.p == 0.0:
+            limit = COUNT_WHOLE
+        elif kind.p == 2.0:
+            limit = WHOLE if t.dtype == acc else ROW
+        else:
+            limit = 0
+        if n <= limit:
+            whole[t.dtype].append(t)
+            continue
+        t = _dense_view(t)
+        if t.is_contiguous() and n >= ROW:
+            flat = t.view(-1)
+            rows = n // ROW
+            pieces.append(torch.linalg.vector_norm(flat[: rows * ROW].view(rows, ROW), kind.p, dim=1, dtype=acc))
+            t = flat[rows * ROW :]
+            if t.numel() == 0:
+                continue
+        dims = tuple(range(1, t.dim())) if t.dim() > 1 else None
+        pieces.append(torch.linalg.vector_norm(t, kind.p, dim=dims, dtype=acc))
     for dtype, items in whole.items():
         pieces.extend(torch._foreach_norm(items, kind.p, dtype=_acc_dtype(dtype, overflow_safe)))
     return pieces
