@@ -387,16 +387,18 @@ def _measure_leaves(
     stats = local_statistics(locals_, weights, group_of, n, kind, device, overflow_safe=opts.overflow_safe)
     reduced = all_reduce_statistics(stats, kind.op, world.group_name)
 
+    # Without groups there is one entry; every eager op left out here is a few microseconds per call.
     if kind.op == "sum":
-        per_group, total = kind.root(reduced), kind.root(reduced.sum())
+        total = kind.root(reduced.sum() if labels else reduced[0])
+        per_group = kind.root(reduced) if labels else reduced
     elif kind.op == "max":
-        per_group, total = reduced, reduced.max()
+        per_group, total = reduced, (reduced.max() if labels else reduced[0])
     else:  # -inf: the second half flags (with -1) groups that hold an element on some rank
         mins, present = reduced[:n], reduced[n:] < 0
         zero = torch.zeros_like(mins)
         per_group = torch.where(present, mins, zero)
         total = torch.where(present.any(), mins.min(), zero[0])
-    out_dtype = torch.float64 if any(t.dtype == torch.float64 for t in locals_) else torch.float32
+    out_dtype = torch.float64 if torch.float64 in {t.dtype for t in locals_} else torch.float32
     group_norms = {label: per_group[i].to(out_dtype) for i, label in enumerate(labels)}
     return total.to(out_dtype), group_norms
 

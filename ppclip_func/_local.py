@@ -53,6 +53,9 @@ ROW = 1 << 11
 BLOCK = 1 << 18
 # fp32 dense leaves up to this size have their 2-norm taken whole (measured within 5e-7 of float64).
 WHOLE = 1 << 15
+# fp32 dense leaves up to this size go to the foreach call in pieces of WHOLE; larger ones row-wise.
+# A multi-threaded op costs a parallel region, which waits for a core when the machine is busy.
+SPLIT = 1 << 20
 # Leaves up to this size (contiguous ones; any up to ROW) are packed into the scratch by one cat.
 PACK = 1 << 15
 # Norm-0 counts are exact in fp32 up to 2^24.
@@ -94,10 +97,6 @@ def local_statistics(
         this rank holds an element of the group (``0`` where not), so that a
         single ``min`` all-reduce also says whether a group is empty everywhere.
     """
-    width = 2 * n_groups if kind.op == "min" else n_groups
-    out = torch.full((width,), kind.identity, dtype=STAT_DTYPE, device=device)
-    if kind.op == "min":
-        out[n_groups:] = 0.0
     # Leaves of one (group, weight) are summed (maxed) together: one statistic per bucket.
     buckets: dict[tuple[int, float], list[torch.Tensor]] = defaultdict(list)
     if len(set(groups)) == 1 and (kind.op != "sum" or len(set(weights)) == 1):  # one bucket: no per-leaf keys
@@ -112,8 +111,17 @@ def local_statistics(
     for (g, weight), members in buckets.items():
         stat = bucket_statistic(members, kind, overflow_safe=overflow_safe)
         per_group[g].append(stat * weight if kind.op == "sum" and weight != 1.0 else stat)
-    for g, parts in per_group.items():
-        out[g] = parts[0] if len(parts) == 1 else _combine(kind, torch.stack(parts))
+    combined = {
+        g: parts[0] if len(parts) == 1 else _combine(kind, torch.stack(parts)) for g, parts in per_group.items()
+    }
+    if kind.op != "min" and len(combined) == n_groups:  # every group has data: no fill, no per-entry writes
+        return combined[0].reshape(1) if n_groups == 1 else torch.stack([combined[g] for g in range(n_groups)])
+    width = 2 * n_groups if kind.op == "min" else n_groups
+    out = torch.full((width,), kind.identity, dtype=STAT_DTYPE, device=device)
+    if kind.op == "min":
+        out[n_groups:] = 0.0
+    for g, stat in combined.items():
+        out[g] = stat
         if kind.op == "min":
             out[n_groups + g] = -1.0
     return out
@@ -188,8 +196,17 @@ class _EagerCpu:
         kind, safe = self.kind, self.overflow_safe
         # Leaves reduced whole by one foreach call per input dtype.
         whole: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
-        if kind.op == "sum" and kind.p == 2.0:
-            own = (torch.float64,) if safe else (torch.float32, torch.float64)  # dtypes that are their own acc
+        own = (torch.float64,) if safe else (torch.float32, torch.float64)  # dtypes that are their own acc
+        dtypes = {t.dtype for t in tensors}
+        if (
+            kind.op == "sum"
+            and kind.p == 2.0
+            and len(dtypes) == 1
+            and dtypes <= set(own)
+            and all(t.numel() <= WHOLE and t.is_contiguous() for t in tensors)
+        ):
+            whole[tensors[0].dtype] = tensors  # many small leaves: one foreach call, no per-leaf sorting
+        elif kind.op == "sum" and kind.p == 2.0:
             for t in tensors:
                 dtype, n = t.dtype, t.numel()
                 if dtype in own:
@@ -200,13 +217,16 @@ class _EagerCpu:
                     if dense.is_contiguous():
                         if n <= WHOLE:
                             whole[dtype].append(t)
-                            continue
-                        # One row-wise norm, read in place; the last partial row joins the foreach call.
-                        flat = dense.view(-1)
-                        rows = n // ROW
-                        self.norms.append(torch.linalg.vector_norm(flat[: rows * ROW].view(rows, ROW), dim=1))
-                        if n > rows * ROW:
-                            whole[dtype].append(flat[rows * ROW :])
+                        elif n <= SPLIT:
+                            # Pieces of WHOLE elements join the foreach call: still one thread, no parallel region.
+                            whole[dtype].extend(dense.view(-1).split(WHOLE))
+                        else:
+                            # One row-wise norm, read in place by all threads; the last partial row joins the foreach.
+                            flat = dense.view(-1)
+                            rows = n // ROW
+                            self.norms.append(torch.linalg.vector_norm(flat[: rows * ROW].view(rows, ROW), dim=1))
+                            if n > rows * ROW:
+                                whole[dtype].append(flat[rows * ROW :])
                         continue
                 self._stream(_acc_dtype(dtype, safe)).add(t)
         elif kind.op != "sum":  # max and min are exact in any dtype and order
@@ -231,8 +251,7 @@ class _EagerCpu:
         for dtype, items in whole.items():
             # Max and min are exact in the grads' own dtype; sums and counts need the accumulation dtype.
             acc = _acc_dtype(dtype, safe) if kind.op == "sum" else dtype
-            norms = torch._foreach_norm(items, kind.p, dtype=None if acc == dtype else acc)
-            self.norms.append(torch.stack(norms) if len(norms) > 1 else norms[0])
+            self.norms.append(torch.stack(torch._foreach_norm(items, kind.p, dtype=None if acc == dtype else acc)))
         return self.norms, self.stats
 
     def _stream(self, acc: torch.dtype) -> _Stream:

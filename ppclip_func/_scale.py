@@ -99,6 +99,9 @@ def _by_device_and_dtype(
 ) -> dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]]:
     """The tensors of each (device, dtype) and their positions in ``tensors``."""
     if tensors and not torch.compiler.is_compiling():
+        if len({t.dtype for t in tensors}) == 1:
+            # The common case. Callers pass the leaves of one rank, on one device (flatten_grads checks).
+            return {(tensors[0].device, tensors[0].dtype): (tensors, list(range(len(tensors))))}
         # torch's C++ grouping (what its own clip uses): no Python work per leaf.
         grouped = torch._C._group_tensors_by_device_and_dtype([tensors], True)
         return {key: (lists[0], idx) for key, (lists, idx) in grouped.items()}
