@@ -8,29 +8,35 @@ min).
 
 Accuracy comes from short accumulations. torch's CPU norm kernels add a
 whole tensor into one accumulator (16 vector lanes for an fp32 2-norm, one
-scalar for the other orders and for a bf16 input with an fp32 result), which
-loses about 1e-3 relative on a 25M-element fp32 leaf and 1e-6 already on 4096
-positive elements with ``p=1``. So a 2-norm is taken over rows of ``ROW``
-elements, and a ``p != 2`` norm is a cascade ``sum`` of ``|x|^p``; the
+scalar for the other orders and for a bf16 input with an fp32 result): that
+loses about 1e-3 relative on a 25M-element fp32 leaf, 5e-3 on a strided
+20M-element one, and 1.5e-6 already on 4096 positive elements with ``p=1``.
+So 2-norms are taken over rows of ``ROW`` elements (fp32 leaves up to
+``WHOLE`` whole), other orders as a cascade ``sum`` of ``|x|^p``, and the
 partial results are combined in float64.
 
-Eager on CPU (the speed path), per bucket:
+Eager on CPU, per bucket (a parallel region per op costs little on an idle
+machine and waits for a core on a busy one, so only large leaves use more
+than one thread):
 
-* fp32 2-norms of dense leaves up to ``WHOLE`` elements: one
-  ``torch._foreach_norm`` over all of them (as torch's own clip does); larger
-  dense ones: one row-wise ``vector_norm`` per leaf, read in place;
-* ``±inf``: whole-leaf ``_foreach_norm`` (exact in any order and dtype), and
-  ``aminmax`` for large leaves; ``0``: counts, exact below 2^24 per leaf;
+* fp32 2-norms: leaves up to ``SPLIT`` elements go to one ``_foreach_norm``
+  call, whole or in pieces of ``WHOLE`` (one thread per piece, like torch's
+  own clip); larger dense ones get one row-wise ``vector_norm``, read in place;
+* ``±inf``: whole leaves in one ``_foreach_norm`` in their own dtype (exact in
+  any order), ``aminmax`` for leaves over ``BLOCK``; ``0``: counts, exact in
+  fp32 below 2^24 per leaf, ``count_nonzero`` above;
 * everything else (bf16/fp16 leaves, strided leaves, ``p != 2``): streamed
   through a reused scratch buffer of ``BLOCK`` elements in the accumulation
-  dtype, filled by conversion copies (small leaves packed by one ``cat``),
-  then reduced per block. torch's CPU norm with a bf16 input and an fp32
-  result is several times slower than a bf16->fp32 copy plus an fp32 norm of
-  a block that stays in cache. The buffer is per thread, device and dtype
-  (at most 2 MiB each), so concurrent clips never share one.
+  dtype, filled by conversion copies (small leaves packed by one ``cat``;
+  strided leaves cut along their outer dims, never copied whole), then
+  reduced block by block. torch's CPU norm of a bf16 input with an fp32
+  result is scalar code, several times slower than a bf16->fp32 copy plus an
+  fp32 norm of a block still in cache. The buffer is per thread and dtype
+  (2 MiB in fp32), so concurrent clips never share one and memory stays
+  bounded.
 
-Under ``torch.compile``, and on other devices, a portable form runs instead:
-no scratch buffer, no Python loop over blocks (see :func:`_traced_norms`).
+Under ``torch.compile``, and on other devices, :func:`_traced_norms` runs
+instead: shape-static, no scratch buffer, no loop over blocks.
 """
 
 from __future__ import annotations
@@ -49,13 +55,15 @@ STAT_DTYPE = torch.float64
 # Elements per row of a row-wise 2-norm: 128 per vector lane of torch's kernel. Rounding in its
 # accumulator is biased for bf16 data: -1.3e-7 relative to the norm here, -4.8e-7 with rows of 4096.
 ROW = 1 << 11
-# Elements per scratch block: 1 MiB in fp32, so a copied block is reduced while it is still in cache.
-BLOCK = 1 << 18
-# fp32 dense leaves up to this size have their 2-norm taken whole (measured within 5e-7 of float64).
-WHOLE = 1 << 15
-# fp32 dense leaves up to this size go to the foreach call in pieces of WHOLE; larger ones row-wise.
-# A multi-threaded op costs a parallel region, which waits for a core when the machine is busy.
-SPLIT = 1 << 20
+# Elements per scratch block: 2 MiB in fp32, half of it in each core's L2 here, so a copied block is
+# reduced while still in cache (256K and 1M elements measured slower for bf16 GPT-2 grads).
+BLOCK = 1 << 19
+# fp32 dense leaves up to this size have their 2-norm taken whole, by torch's 16-lane kernel: within
+# 4.3e-7 of float64 even for bf16-valued data (8192: 1.5e-6, 32768: 4.6e-6).
+WHOLE = 1 << 12
+# Larger dense fp32 leaves up to this size: torch.dot(x, x), within 4e-7 for bf16-valued data;
+# larger ones get one row-wise norm each, read in place.
+DOT = 1 << 16
 # Leaves up to this size (contiguous ones; any up to ROW) are packed into the scratch by one cat.
 PACK = 1 << 15
 # Norm-0 counts are exact in fp32 up to 2^24.
@@ -196,39 +204,8 @@ class _EagerCpu:
         kind, safe = self.kind, self.overflow_safe
         # Leaves reduced whole by one foreach call per input dtype.
         whole: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
-        own = (torch.float64,) if safe else (torch.float32, torch.float64)  # dtypes that are their own acc
-        dtypes = {t.dtype for t in tensors}
-        if (
-            kind.op == "sum"
-            and kind.p == 2.0
-            and len(dtypes) == 1
-            and dtypes <= set(own)
-            and all(t.numel() <= WHOLE and t.is_contiguous() for t in tensors)
-        ):
-            whole[tensors[0].dtype] = tensors  # many small leaves: one foreach call, no per-leaf sorting
-        elif kind.op == "sum" and kind.p == 2.0:
-            for t in tensors:
-                dtype, n = t.dtype, t.numel()
-                if dtype in own:
-                    if n <= ROW:
-                        whole[dtype].append(t)
-                        continue
-                    dense = t if t.is_contiguous() else _dense_view(t)
-                    if dense.is_contiguous():
-                        if n <= WHOLE:
-                            whole[dtype].append(t)
-                        elif n <= SPLIT:
-                            # Pieces of WHOLE elements join the foreach call: still one thread, no parallel region.
-                            whole[dtype].extend(dense.view(-1).split(WHOLE))
-                        else:
-                            # One row-wise norm, read in place by all threads; the last partial row joins the foreach.
-                            flat = dense.view(-1)
-                            rows = n // ROW
-                            self.norms.append(torch.linalg.vector_norm(flat[: rows * ROW].view(rows, ROW), dim=1))
-                            if n > rows * ROW:
-                                whole[dtype].append(flat[rows * ROW :])
-                        continue
-                self._stream(_acc_dtype(dtype, safe)).add(t)
+        if kind.op == "sum" and kind.p == 2.0:
+            self._sums_of_squares(tensors, whole)
         elif kind.op != "sum":  # max and min are exact in any dtype and order
             for t in tensors:
                 if t.numel() <= BLOCK:
@@ -249,10 +226,53 @@ class _EagerCpu:
         for stream in self.streams.values():
             stream.flush()
         for dtype, items in whole.items():
+            if not items:
+                continue
             # Max and min are exact in the grads' own dtype; sums and counts need the accumulation dtype.
             acc = _acc_dtype(dtype, safe) if kind.op == "sum" else dtype
             self.norms.append(torch.stack(torch._foreach_norm(items, kind.p, dtype=None if acc == dtype else acc)))
         return self.norms, self.stats
+
+    def _sums_of_squares(self, tensors: list[torch.Tensor], whole: dict[torch.dtype, list[torch.Tensor]]) -> None:
+        """2-norms. Leaves in their accumulation dtype (fp32, fp64) are read in place, by size:
+
+        up to ``WHOLE`` elements whole in the foreach call; up to ``DOT`` as
+        ``torch.dot(x, x)`` (MKL keeps many partial sums: as fast per leaf as
+        torch's foreach, accurate for bf16-valued data too, and one thread up
+        to about 2^18 elements); larger ones row-wise, all threads. The rest
+        (bf16/fp16, strided leaves) goes through the scratch buffer.
+        """
+        own = (torch.float64,) if self.overflow_safe else (torch.float32, torch.float64)
+        if tensors[0].dtype in own and len({t.dtype for t in tensors}) == 1 and all(t.is_contiguous() for t in tensors):
+            # One dtype, all contiguous (the common case): sorted by size with no per-leaf branching.
+            sizes = [t.numel() for t in tensors]
+            whole[tensors[0].dtype].extend(t for t, n in zip(tensors, sizes) if n <= WHOLE)
+            mid = [t if t.dim() == 1 else t.view(-1) for t, n in zip(tensors, sizes) if WHOLE < n <= DOT]
+            self.stats.extend(map(torch.dot, mid, mid))
+            for t, n in zip(tensors, sizes):
+                if n > DOT:
+                    self._rows(t.view(-1), whole)
+            return
+        for t in tensors:
+            dtype, n = t.dtype, t.numel()
+            dense = t if t.is_contiguous() else _dense_view(t)
+            if dtype not in own or not (n <= ROW or dense.is_contiguous()):
+                self._stream(_acc_dtype(dtype, self.overflow_safe)).add(t)
+            elif n <= WHOLE:
+                whole[dtype].append(t)
+            elif n <= DOT:
+                flat = dense.view(-1)
+                self.stats.append(torch.dot(flat, flat))
+            else:
+                self._rows(dense.view(-1), whole)
+
+    def _rows(self, flat: torch.Tensor, whole: dict[torch.dtype, list[torch.Tensor]]) -> None:
+        """One row-wise norm over a flat leaf, read in place; its last partial row joins the foreach call."""
+        n = flat.numel()
+        rows = n // ROW
+        self.norms.append(torch.linalg.vector_norm(flat[: rows * ROW].view(rows, ROW), dim=1))
+        if n > rows * ROW:
+            whole[flat.dtype].append(flat[rows * ROW :])
 
     def _stream(self, acc: torch.dtype) -> _Stream:
         if acc not in self.streams:

@@ -89,6 +89,15 @@ def test_mixed_dtypes_in_one_tree_are_within_1e6_of_float64(norm_type):
     _expect_close(global_grad_norm(leaves, None, norm_type), leaves, norm_type)
 
 
+@pytest.mark.parametrize("size", [4096, 8192, 32768, 65536, 100_003, 1_200_001])
+def test_fp32_leaves_holding_bf16_values_are_within_1e6_of_float64(size):
+    # bf16 grads upcast (or reduced in fp32 from bf16, as FSDP2's mixed precision does) have short
+    # mantissas; torch's 16-lane fp32 norm then rounds with a bias: 1.5e-6 at 8192 elements, 4.6e-6
+    # at 32768, when taken whole.
+    leaves = [_rand(size, dtype=torch.bfloat16, seed=size).float() for _ in range(3)]
+    _expect_close(global_grad_norm(leaves, None), leaves, 2.0)
+
+
 @pytest.mark.parametrize("norm_type", NORM_TYPES)
 def test_overflow_safe_float64_accumulation_keeps_every_shape_exact_to_1e6(norm_type):
     leaves = [t for ts in catalogue(torch.float32).values() for t in ts] + catalogue(torch.bfloat16)["over_1M"]
@@ -119,32 +128,29 @@ def test_clip_grad_norm_in_place_matches_the_reference_on_large_bf16_and_strided
         torch.testing.assert_close(p.grad, want)
 
 
-def test_the_number_of_ops_does_not_grow_with_many_medium_leaves():
+def test_many_leaves_cost_at_most_one_op_each():
+    """Small leaves share one foreach call; a medium fp32 leaf costs one ``dot`` (torch's own CPU
+    foreach runs one norm per leaf inside); bf16 leaves are packed, a few ops per 2^19 elements.
+    Views (free: no data is read) are not counted."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class CountOps(TorchDispatchMode):
-        """Counts the ops called from Python, not those a CPU foreach kernel runs inside."""
-
         def __init__(self) -> None:
             super().__init__()
             self.n = 0
-            self.depth = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n += self.depth == 0
-            self.depth += 1
-            try:
-                return func(*args, **(kwargs or {}))
-            finally:
-                self.depth -= 1
+            self.n += not func.is_view
+            return func(*args, **(kwargs or {}))
 
-    counts = []
-    for n_leaves in (200, 2000):
-        leaves = [torch.rand(8192) for _ in range(n_leaves)]
+    def ops(leaves: list[torch.Tensor]) -> int:
         with CountOps() as mode:
             global_grad_norm(leaves, None)
-        counts.append(mode.n)
-    assert counts[0] == counts[1], f"ops for 200 and 2000 leaves of 8192: {counts}"
+        return mode.n
+
+    assert ops([torch.rand(1000) for _ in range(2000)]) == ops([torch.rand(1000) for _ in range(200)])
+    assert ops([torch.rand(8192) for _ in range(2000)]) <= 2000 + 20
+    assert ops([torch.rand(64, 128).bfloat16() for _ in range(2000)]) < 100
 
 
 def test_the_scratch_buffer_is_bounded_and_per_thread():
