@@ -370,7 +370,7 @@ def _measure_leaves(
             if isinstance(t, DTensor) and any(p.is_partial() for p in t.placements):
                 tensors[i] = _for_leaf(leaves, i, reduce_partial, t)
                 locals_[i] = tensors[i].to_local()
-    leaf_meshes = [t.device_mesh for t in tensors if isinstance(t, DTensor)]
+    leaf_meshes = [t.device_mesh for t in tensors if isinstance(t, DTensor)] if leaves.has_dtensor else []
     world = resolve_world(mesh, pp, leaf_meshes)
     if not leaf_meshes and paths is None:
         # Plain, untied tensors: each is held by every rank of its stage (no per-leaf call on 10^4 leaves).

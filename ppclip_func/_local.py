@@ -154,6 +154,8 @@ def bucket_statistic(tensors: list[torch.Tensor], kind: NormKind, *, overflow_sa
 
 def _flat64(pieces: list[torch.Tensor]) -> torch.Tensor:
     """The 0-dim and 1-D ``pieces`` as one float64 vector, with as few calls as possible."""
+    if len(pieces) == 1 and pieces[0].dim() == 1:
+        return pieces[0].to(STAT_DTYPE)
     by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = defaultdict(lambda: ([], []))
     for p in pieces:
         by_dtype[p.dtype][p.dim() != 0].append(p)
@@ -246,6 +248,9 @@ class _EagerCpu:
         if tensors[0].dtype in own and len({t.dtype for t in tensors}) == 1 and all(t.is_contiguous() for t in tensors):
             # One dtype, all contiguous (the common case): sorted by size with no per-leaf branching.
             sizes = [t.numel() for t in tensors]
+            if max(sizes) <= WHOLE:
+                whole[tensors[0].dtype].extend(tensors)
+                return
             whole[tensors[0].dtype].extend(t for t, n in zip(tensors, sizes) if n <= WHOLE)
             mid = [t if t.dim() == 1 else t.view(-1) for t, n in zip(tensors, sizes) if WHOLE < n <= DOT]
             self.stats.extend(map(torch.dot, mid, mid))

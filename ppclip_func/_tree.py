@@ -30,6 +30,7 @@ class Leaves:
         index: Position in ``flat`` of each tensor leaf.
         tensors: The tensor leaves (``torch.Tensor`` or ``DTensor``).
         locals: The local shard of each leaf (the leaf itself for plain tensors).
+        has_dtensor: Whether any leaf is a ``DTensor``.
     """
 
     tree: Any
@@ -38,6 +39,7 @@ class Leaves:
     index: list[int]
     tensors: list[torch.Tensor]
     locals: list[torch.Tensor]
+    has_dtensor: bool = False
 
     def paths(self) -> list[str]:
         """Returns the pytree path of each tensor leaf, as ``keystr`` prints it.
@@ -75,11 +77,13 @@ def flatten_grads(grads: Any, what: str = "gradient") -> Leaves:
 
 
 def _check_leaves(grads: Any, what: str, flat: list[Any], spec: pytree.TreeSpec | None) -> Leaves:
-    index, tensors = [], []
+    index, tensors, has_dtensor = [], [], False
     for i, leaf in enumerate(flat):
         if leaf is None:
             continue
-        if not isinstance(leaf, torch.Tensor):
+        if isinstance(leaf, DTensor):
+            has_dtensor = True
+        elif not isinstance(leaf, torch.Tensor):
             if spec is None:
                 return _check_leaves(grads, what, *pytree.tree_flatten(grads))
             name = _paths(grads)[i]
@@ -91,7 +95,7 @@ def _check_leaves(grads: Any, what: str, flat: list[Any], spec: pytree.TreeSpec 
             )
         index.append(i)
         tensors.append(leaf)
-    locals_ = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    locals_ = [t.to_local() if isinstance(t, DTensor) else t for t in tensors] if has_dtensor else tensors
     if len({t.device for t in locals_}) > 1:
         first = locals_[0].device
         j = next(j for j, t in enumerate(locals_) if t.device != first)
@@ -100,7 +104,7 @@ def _check_leaves(grads: Any, what: str, flat: list[Any], spec: pytree.TreeSpec 
             f"{what} leaves {paths[index[0]]} and {paths[index[j]]} are on different devices "
             f"({first} and {locals_[j].device}); a clip works on one device per rank"
         )
-    return Leaves(tree=grads, flat=flat, spec=spec, index=index, tensors=tensors, locals=locals_)
+    return Leaves(grads, flat, spec, index, tensors, locals_, has_dtensor)
 
 
 def _paths(tree: Any) -> list[str]:
