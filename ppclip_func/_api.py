@@ -387,12 +387,14 @@ def _measure_leaves(
     stats = local_statistics(locals_, weights, group_of, n, kind, device, overflow_safe=opts.overflow_safe)
     reduced = all_reduce_statistics(stats, kind.op, world.group_name)
 
-    # Without groups there is one entry; every eager op left out here is a few microseconds per call.
+    # Without groups or a collective there is one entry, read by a view: every eager op left out
+    # here is a few microseconds per call. (A view of an AsyncCollectiveTensor would stay one.)
+    one = not labels and world.group_name is None
     if kind.op == "sum":
-        total = kind.root(reduced.sum() if labels else reduced[0])
+        total = kind.root(reduced[0] if one else reduced.sum())
         per_group = kind.root(reduced) if labels else reduced
     elif kind.op == "max":
-        per_group, total = reduced, (reduced.max() if labels else reduced[0])
+        per_group, total = reduced, (reduced[0] if one else reduced.max())
     else:  # -inf: the second half flags (with -1) groups that hold an element on some rank
         mins, present = reduced[:n], reduced[n:] < 0
         zero = torch.zeros_like(mins)

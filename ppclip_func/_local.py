@@ -35,7 +35,7 @@ than one thread):
   (2 MiB in fp32), so concurrent clips never share one and memory stays
   bounded.
 
-Under ``torch.compile``, and on other devices, :func:`_traced_norms` runs
+Under ``torch.compile``, and on other devices, :func:`_traced` runs
 instead: shape-static, no scratch buffer, no loop over blocks.
 """
 
@@ -61,9 +61,9 @@ BLOCK = 1 << 19
 # fp32 dense leaves up to this size have their 2-norm taken whole, by torch's 16-lane kernel: within
 # 4.3e-7 of float64 even for bf16-valued data (8192: 1.5e-6, 32768: 4.6e-6).
 WHOLE = 1 << 12
-# Larger dense fp32 leaves up to this size: torch.dot(x, x), within 4e-7 for bf16-valued data;
-# larger ones get one row-wise norm each, read in place.
-DOT = 1 << 16
+# Larger dense fp32 leaves up to this size: eager, torch.dot(x, x) (within 4e-7 for bf16-valued
+# data); traced, pieces of WHOLE in the foreach call. Larger ones get one row-wise norm each.
+MEDIUM = 1 << 16
 # Leaves up to this size (contiguous ones; any up to ROW) are packed into the scratch by one cat.
 PACK = 1 << 15
 # Norm-0 counts are exact in fp32 up to 2^24.
@@ -142,7 +142,7 @@ def bucket_statistic(tensors: list[torch.Tensor], kind: NormKind, *, overflow_sa
     ``min |x|`` for ``±inf``.
     """
     if torch.compiler.is_compiling() or tensors[0].device.type != "cpu":
-        norms, stats = _traced_norms(tensors, kind, overflow_safe), []
+        norms, stats = _traced(tensors, kind, overflow_safe)
     else:
         norms, stats = _EagerCpu(kind, overflow_safe).run(tensors)
     parts = [kind.power(_flat64(norms))] if norms else []
@@ -238,7 +238,7 @@ class _EagerCpu:
     def _sums_of_squares(self, tensors: list[torch.Tensor], whole: dict[torch.dtype, list[torch.Tensor]]) -> None:
         """2-norms. Leaves in their accumulation dtype (fp32, fp64) are read in place, by size:
 
-        up to ``WHOLE`` elements whole in the foreach call; up to ``DOT`` as
+        up to ``WHOLE`` elements whole in the foreach call; up to ``MEDIUM`` as
         ``torch.dot(x, x)`` (MKL keeps many partial sums: as fast per leaf as
         torch's foreach, accurate for bf16-valued data too, and one thread up
         to about 2^18 elements); larger ones row-wise, all threads. The rest
@@ -252,10 +252,10 @@ class _EagerCpu:
                 whole[tensors[0].dtype].extend(tensors)
                 return
             whole[tensors[0].dtype].extend(t for t, n in zip(tensors, sizes) if n <= WHOLE)
-            mid = [t if t.dim() == 1 else t.view(-1) for t, n in zip(tensors, sizes) if WHOLE < n <= DOT]
+            mid = [t if t.dim() == 1 else t.view(-1) for t, n in zip(tensors, sizes) if WHOLE < n <= MEDIUM]
             self.stats.extend(map(torch.dot, mid, mid))
             for t, n in zip(tensors, sizes):
-                if n > DOT:
+                if n > MEDIUM:
                     self._rows(t.view(-1), whole)
             return
         for t in tensors:
@@ -265,7 +265,7 @@ class _EagerCpu:
                 self._stream(_acc_dtype(dtype, self.overflow_safe)).add(t)
             elif n <= WHOLE:
                 whole[dtype].append(t)
-            elif n <= DOT:
+            elif n <= MEDIUM:
                 flat = dense.view(-1)
                 self.stats.append(torch.dot(flat, flat))
             else:
@@ -398,17 +398,22 @@ def _scratch(dtype: torch.dtype) -> torch.Tensor:
 # --- traced (torch.compile) and non-CPU devices ----------------------------------------------
 
 
-def _traced_norms(tensors: list[torch.Tensor], kind: NormKind, overflow_safe: bool) -> list[torch.Tensor]:
-    """Norms whose ``kind.power`` sums to the statistic, in shape-static code with no scratch buffer.
+def _traced(
+    tensors: list[torch.Tensor], kind: NormKind, overflow_safe: bool
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Norms (to be raised to ``p``) and ready statistics, in shape-static code with no scratch buffer.
 
     For tracing, and for accelerators in eager mode. ``_foreach_norm`` stays
     one call to torch's kernel under inductor (whose accuracy is the eager
-    one, above), so it takes only the leaves that kernel reduces accurately;
-    larger leaves get a row-wise ``vector_norm``, which inductor generates as
-    its own reduction, and a strided leaf one ``vector_norm`` over each index
-    of its outermost dim.
+    one, above), so it takes only what that kernel reduces accurately: small
+    leaves, and dense fp32 leaves up to ``MEDIUM`` elements cut into pieces
+    of ``WHOLE``. Larger leaves get a row-wise ``vector_norm``, which inductor
+    generates as its own reduction (a ``dot`` too, less accurately: 1.4e-6 on
+    32K bf16-valued elements), and a strided leaf one ``vector_norm`` over
+    each index of its outermost dim.
     """
-    pieces: list[torch.Tensor] = []
+    norms: list[torch.Tensor] = []
+    stats: list[torch.Tensor] = []
     whole: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
     for t in tensors:
         acc = _acc_dtype(t.dtype, overflow_safe)
@@ -425,15 +430,20 @@ def _traced_norms(tensors: list[torch.Tensor], kind: NormKind, overflow_safe: bo
             whole[t.dtype].append(t)
             continue
         t = _dense_view(t)
+        if kind.op == "sum" and kind.p == 2.0 and t.dtype == acc and n <= MEDIUM and t.is_contiguous():
+            # Pieces of WHOLE elements join the foreach call: views cost nothing in a graph, and
+            # this keeps inductor from generating a reduction kernel per leaf (compile time).
+            whole[t.dtype].extend(t.view(-1).split(WHOLE))
+            continue
         if t.is_contiguous() and n >= ROW:
             flat = t.view(-1)
             rows = n // ROW
-            pieces.append(torch.linalg.vector_norm(flat[: rows * ROW].view(rows, ROW), kind.p, dim=1, dtype=acc))
+            norms.append(torch.linalg.vector_norm(flat[: rows * ROW].view(rows, ROW), kind.p, dim=1, dtype=acc))
             t = flat[rows * ROW :]
             if t.numel() == 0:
                 continue
         dims = tuple(range(1, t.dim())) if t.dim() > 1 else None
-        pieces.append(torch.linalg.vector_norm(t, kind.p, dim=dims, dtype=acc))
+        norms.append(torch.linalg.vector_norm(t, kind.p, dim=dims, dtype=acc))
     for dtype, items in whole.items():
-        pieces.extend(torch._foreach_norm(items, kind.p, dtype=_acc_dtype(dtype, overflow_safe)))
-    return pieces
+        norms.extend(torch._foreach_norm(items, kind.p, dtype=_acc_dtype(dtype, overflow_safe)))
+    return norms, stats
