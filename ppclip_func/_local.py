@@ -10,18 +10,21 @@ Accuracy comes from short accumulations. torch's CPU norm kernels add a
 whole tensor into one accumulator (16 vector lanes for an fp32 2-norm, one
 scalar for the other orders and for a bf16 input with an fp32 result): that
 loses about 1e-3 relative on a 25M-element fp32 leaf, 5e-3 on a strided
-20M-element one, and 1.5e-6 already on 4096 positive elements with ``p=1``.
-So 2-norms are taken over rows of ``ROW`` elements (fp32 leaves up to
-``WHOLE`` whole), other orders as a cascade ``sum`` of ``|x|^p``, and the
-partial results are combined in float64.
+20M-element one, 1.5e-6 already on 4096 positive elements with ``p=1``, and
+1.5e-6 on 8192 fp32 elements holding bf16 values (short mantissas make its
+rounding biased). So 2-norms are taken over rows of ``ROW`` elements (fp32
+leaves up to ``WHOLE`` whole), other orders as a cascade ``sum`` of
+``|x|^p``, and the partial results are combined in float64.
 
 Eager on CPU, per bucket (a parallel region per op costs little on an idle
 machine and waits for a core on a busy one, so only large leaves use more
 than one thread):
 
-* fp32 2-norms: leaves up to ``SPLIT`` elements go to one ``_foreach_norm``
-  call, whole or in pieces of ``WHOLE`` (one thread per piece, like torch's
-  own clip); larger dense ones get one row-wise ``vector_norm``, read in place;
+* fp32 (and fp64) 2-norms, read in place: leaves up to ``WHOLE`` elements in
+  one ``_foreach_norm`` call, as torch's own clip; up to ``MEDIUM`` a
+  ``torch.dot(x, x)`` each (MKL keeps many partial sums: accurate for
+  bf16-valued data too, one thread, as fast per leaf as the foreach call);
+  larger ones one row-wise ``vector_norm`` each;
 * ``±inf``: whole leaves in one ``_foreach_norm`` in their own dtype (exact in
   any order), ``aminmax`` for leaves over ``BLOCK``; ``0``: counts, exact in
   fp32 below 2^24 per leaf, ``count_nonzero`` above;
@@ -68,9 +71,6 @@ MEDIUM = 1 << 16
 PACK = 1 << 15
 # Norm-0 counts are exact in fp32 up to 2^24.
 COUNT_WHOLE = 1 << 23
-
-# Rows of the traced form.
-TRACE_ROW = 1 << 12
 
 _SCRATCH = threading.local()
 
