@@ -1,22 +1,52 @@
 """Local statistics: one rank's weighted contribution to each norm, before any collective.
 
-The heavy work reads every local shard once, accumulating in float32 at least
-(float64 for float64 grads, or for all grads with ``overflow_safe``), so
-bf16/fp16 gradients keep fp32 precision. Small leaves go through one
-``torch._foreach_norm`` per (device, dtype); a leaf larger than ``CHUNK``
-elements is viewed as rows of ``CHUNK`` and reduced row-wise in one
-``vector_norm`` call. Chunking is for accuracy: torch's CPU norm kernel
-accumulates a whole tensor sequentially, which loses about 1e-3 relative on a
-25M-element fp32 leaf; per-chunk sums of 4096 elements combined in float64
-stay within about 1e-8 (fp32) and 5e-7 (bf16) there, at the same speed. The
-per-chunk norms are raised to the p-th power, weighted and summed in
-float64; that touches one scalar per 4096 elements and costs little next to
-reading the gradients.
+Every local shard is read once and accumulated in float32 at least (float64
+for float64 grads, or for all grads with ``overflow_safe``), so bf16/fp16
+gradients keep fp32 precision. Leaves are bucketed by (group, weight), and
+each bucket yields one float64 statistic (``sum |x|^p``, a count, a max or a
+min).
+
+Accuracy comes from short accumulations. torch's CPU norm kernels add a
+whole tensor into one accumulator (16 vector lanes for an fp32 2-norm, one
+scalar for the other orders and for a bf16 input with an fp32 result): that
+loses about 1e-3 relative on a 25M-element fp32 leaf, 5e-3 on a strided
+20M-element one, 1.5e-6 already on 4096 positive elements with ``p=1``, and
+1.5e-6 on 8192 fp32 elements holding bf16 values (short mantissas make its
+rounding biased). So 2-norms are taken over rows of ``ROW`` elements (fp32
+leaves up to ``WHOLE`` whole), other orders as a cascade ``sum`` of
+``|x|^p``, and the partial results are combined in float64.
+
+Eager on CPU, per bucket (a parallel region per op costs little on an idle
+machine and waits for a core on a busy one, so only large leaves use more
+than one thread):
+
+* fp32 (and fp64) 2-norms, read in place: leaves up to ``WHOLE`` elements in
+  one ``_foreach_norm`` call, as torch's own clip; up to ``MEDIUM`` a
+  ``torch.dot(x, x)`` each (MKL keeps many partial sums: accurate for
+  bf16-valued data too, one thread, as fast per leaf as the foreach call);
+  larger ones one row-wise ``vector_norm`` each;
+* ``±inf``: whole leaves in one ``_foreach_norm`` in their own dtype (exact in
+  any order), ``aminmax`` for leaves over ``BLOCK``; ``0``: counts, exact in
+  fp32 below 2^24 per leaf, ``count_nonzero`` above;
+* everything else (bf16/fp16 leaves, strided leaves, ``p != 2``): streamed
+  through a reused scratch buffer of ``BLOCK`` elements in the accumulation
+  dtype, filled by conversion copies (small leaves packed by one ``cat``;
+  strided leaves cut along their outer dims, never copied whole), then
+  reduced block by block. torch's CPU norm of a bf16 input with an fp32
+  result is scalar code, several times slower than a bf16->fp32 copy plus an
+  fp32 norm of a block still in cache. The buffer is per thread and dtype
+  (2 MiB in fp32), so concurrent clips never share one and memory stays
+  bounded.
+
+Under ``torch.compile``, and on other devices, :func:`_traced` runs
+instead: shape-static, no scratch buffer, no loop over blocks.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
+from collections.abc import Iterator
 
 import torch
 
@@ -25,59 +55,24 @@ from ._norms import ABSENT, HAS_ELEMENT, HAS_LEAF, NormKind
 __all__: list[str] = []
 
 STAT_DTYPE = torch.float64
-CHUNK = 1 << 12
+# Elements per row of a row-wise 2-norm: 128 per vector lane of torch's kernel. Rounding in its
+# accumulator is biased for bf16 data: -1.3e-7 relative to the norm here, -4.8e-7 with rows of 4096.
+ROW = 1 << 11
+# Elements per scratch block: 2 MiB in fp32, half of it in each core's L2 here, so a copied block is
+# reduced while still in cache (256K and 1M elements measured slower for bf16 GPT-2 grads).
+BLOCK = 1 << 19
+# fp32 dense leaves up to this size have their 2-norm taken whole, by torch's 16-lane kernel: within
+# 4.3e-7 of float64 even for bf16-valued data (8192: 1.5e-6, 32768: 4.6e-6).
+WHOLE = 1 << 12
+# Larger dense fp32 leaves up to this size: eager, torch.dot(x, x) (within 4e-7 for bf16-valued
+# data); traced, pieces of WHOLE in the foreach call. Larger ones get one row-wise norm each.
+MEDIUM = 1 << 16
+# Leaves up to this size (contiguous ones; any up to ROW) are packed into the scratch by one cat.
+PACK = 1 << 15
+# Norm-0 counts are exact in fp32 up to 2^24.
+COUNT_WHOLE = 1 << 23
 
-
-def leaf_norms(tensors: list[torch.Tensor], kind: NormKind, *, overflow_safe: bool = False) -> list[list[torch.Tensor]]:
-    """Returns, for each tensor, the ``vector_norm``s of its chunks, in fp32 or fp64.
-
-    Each tensor's chunks partition its elements, so its norm statistic is the
-    sum (max, min) of its chunks' statistics. A dense tensor (contiguous up to
-    a permutation of dims) of more than ``CHUNK`` elements is split into rows
-    of ``CHUNK`` (one 1-D tensor of row norms) plus a remainder (a 0-dim
-    norm); others (e.g. a strided slice) are one chunk, a 0-dim norm from a
-    foreach call. With ``overflow_safe``, every leaf accumulates in
-    float64: an fp32 leaf whose sum of squares passes 3.4e38 (elements around
-    1e19 and up) then still has a finite norm. It is off by default because
-    torch's eager float64 accumulation is much slower than float32 on CPU.
-    """
-    pieces: list[list[torch.Tensor]] = [[] for _ in tensors]
-    whole: dict[tuple[torch.device, torch.dtype], list[tuple[int, torch.Tensor]]] = defaultdict(list)
-    for i, t in enumerate(tensors):
-        if t.numel() > CHUNK:
-            t = _dense_view(t)
-            rows = t.numel() // CHUNK if t.is_contiguous() else 0
-            if rows:
-                flat = t.view(-1)
-                body = flat[: rows * CHUNK].view(rows, CHUNK)
-                acc = _acc_dtype(t.dtype, overflow_safe)
-                pieces[i].append(torch.linalg.vector_norm(body, kind.p, dim=1, dtype=acc))
-                t = flat[rows * CHUNK :]
-                if t.numel() == 0:
-                    continue
-        whole[(t.device, t.dtype)].append((i, t))
-    for (_, dtype), items in whole.items():
-        norms = torch._foreach_norm([t for _, t in items], kind.p, dtype=_acc_dtype(dtype, overflow_safe))
-        for (i, _), n in zip(items, norms):
-            pieces[i].append(n)
-    return pieces
-
-
-def _dense_view(t: torch.Tensor) -> torch.Tensor:
-    """Returns ``t`` with its dims permuted into memory order when that makes it contiguous.
-
-    A norm does not depend on element order, so a transposed gradient is
-    reduced in the order its storage holds it, and can be chunked too.
-    """
-    if t.is_contiguous() or t.dim() < 2:
-        return t
-    order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
-    u = t.permute(order)
-    return u if u.is_contiguous() else t
-
-
-def _acc_dtype(dtype: torch.dtype, overflow_safe: bool) -> torch.dtype:
-    return torch.float64 if overflow_safe else torch.promote_types(dtype, torch.float32)
+_SCRATCH = threading.local()
 
 
 def local_statistics(
@@ -99,33 +94,354 @@ def local_statistics(
         n_groups: Number of groups.
         kind: The norm being computed.
         device: Where the statistics live (the grads' device).
-        overflow_safe: Accumulate every leaf in float64 (see :func:`leaf_norms`).
+        overflow_safe: Accumulate every leaf in float64: an fp32 leaf whose
+            sum of squares passes 3.4e38 (elements around 1e19 and up) then
+            still has a finite norm. Off by default because torch's eager
+            float64 accumulation is slower than float32 on CPU.
 
     Returns:
         A float64 vector of ``2 * n_groups`` values, as :meth:`NormKind.encode`
         lays them out: each group's statistic, then what this rank holds of it.
     """
-    stats = torch.full((n_groups,), kind.identity, dtype=STAT_DTYPE, device=device)
-    levels = [ABSENT] * n_groups  # static facts (shapes), known on the host
-    for i, t in enumerate(tensors):
-        levels[groups[i]] = max(levels[groups[i]], HAS_ELEMENT if t.numel() > 0 else HAS_LEAF)
-    live = [i for i, t in enumerate(tensors) if t.numel() > 0]
-    norms = leaf_norms([tensors[i] for i in live], kind, overflow_safe=overflow_safe)
-
-    # Bucket chunk norms by (group, weight): one stack/cat and one reduction per bucket.
-    buckets: dict[tuple[int, float], tuple[list[torch.Tensor], list[torch.Tensor]]] = defaultdict(lambda: ([], []))
-    for i, pieces in zip(live, norms):
-        weight = weights[i] if kind.op == "sum" else 1.0
-        scalars, rows = buckets[(groups[i], weight)]
-        for n in pieces:
-            (rows if n.dim() else scalars).append(n)
+    # Leaves of one (group, weight) are summed (maxed) together: one statistic per bucket.
+    buckets: dict[tuple[int, float], list[torch.Tensor]] = defaultdict(list)
+    if len(set(groups)) == 1 and (kind.op != "sum" or len(set(weights)) == 1):  # one bucket: no per-leaf keys
+        live = [t for t in tensors if t.numel() > 0]
+        if live:
+            buckets[(groups[0], weights[0] if kind.op == "sum" else 1.0)] = live
+    else:
+        for t, w, g in zip(tensors, weights, groups):
+            if t.numel() > 0:
+                buckets[(g, w if kind.op == "sum" else 1.0)].append(t)
     per_group: dict[int, list[torch.Tensor]] = defaultdict(list)
-    for (g, weight), (scalars, rows) in buckets.items():
-        parts = [r.to(STAT_DTYPE) for r in rows]
+    for (g, weight), members in buckets.items():
+        stat = bucket_statistic(members, kind, overflow_safe=overflow_safe)
+        per_group[g].append(stat * weight if kind.op == "sum" and weight != 1.0 else stat)
+    combined = {g: parts[0] if len(parts) == 1 else kind.combine(torch.stack(parts)) for g, parts in per_group.items()}
+    if len(combined) == n_groups:  # every group has data: no fill, no per-entry writes
+        stats = combined[0].reshape(1) if n_groups == 1 else torch.stack([combined[g] for g in range(n_groups)])
+    else:
+        stats = torch.full((n_groups,), kind.identity, dtype=STAT_DTYPE, device=device)
+        for g, stat in combined.items():
+            stats[g] = stat
+    return kind.encode(stats, torch.tensor(_levels(tensors, groups, n_groups), dtype=STAT_DTYPE, device=device))
+
+
+def _levels(tensors: list[torch.Tensor], groups: list[int], n_groups: int) -> list[float]:
+    """What this rank holds of each group (static: shapes only), as :class:`NormKind` encodes it."""
+    if n_groups == 1:
+        if not tensors:
+            return [ABSENT]
+        return [HAS_ELEMENT if any(t.numel() for t in tensors) else HAS_LEAF]
+    levels = [ABSENT] * n_groups
+    for t, g in zip(tensors, groups):
+        levels[g] = max(levels[g], HAS_ELEMENT if t.numel() > 0 else HAS_LEAF)
+    return levels
+
+
+def bucket_statistic(tensors: list[torch.Tensor], kind: NormKind, *, overflow_safe: bool = False) -> torch.Tensor:
+    """Returns the 0-dim float64 statistic of all elements of ``tensors`` together (none empty).
+
+    ``sum |x|^p`` for ``p > 0``, the non-zero count for ``0``, ``max |x|`` or
+    ``min |x|`` for ``±inf``.
+    """
+    if torch.compiler.is_compiling() or tensors[0].device.type != "cpu":
+        norms, stats = _traced(tensors, kind, overflow_safe)
+    else:
+        norms, stats = _EagerCpu(kind, overflow_safe).run(tensors)
+    parts = [kind.power(_flat64(norms))] if norms else []
+    if stats:
+        # Max entries may come from aminmax, signed; every other statistic is already >= 0.
+        parts.append(_flat64(stats).abs() if kind.op == "max" else _flat64(stats))
+    return kind.combine(parts[0] if len(parts) == 1 else torch.cat(parts))
+
+
+def _flat64(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """The 0-dim and 1-D ``pieces`` as one float64 vector, with as few calls as possible."""
+    if len(pieces) == 1 and pieces[0].dim() == 1:
+        return pieces[0].to(STAT_DTYPE)
+    by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = defaultdict(lambda: ([], []))
+    for p in pieces:
+        by_dtype[p.dtype][p.dim() != 0].append(p)
+    parts = []
+    for scalars, vectors in by_dtype.values():
         if scalars:
-            parts.append(torch.stack(scalars).to(STAT_DTYPE))
-        combined = kind.combine(kind.power(parts[0] if len(parts) == 1 else torch.cat(parts)))
-        per_group[g].append(combined * weight if kind.op == "sum" else combined)
-    for g, parts in per_group.items():
-        stats[g] = kind.combine(torch.stack(parts))
-    return kind.encode(stats, torch.tensor(levels, dtype=STAT_DTYPE, device=device))
+            vectors.append(torch.stack(scalars))
+        parts.append((vectors[0] if len(vectors) == 1 else torch.cat(vectors)).to(STAT_DTYPE))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _acc_dtype(dtype: torch.dtype, overflow_safe: bool) -> torch.dtype:
+    # Not torch.promote_types: that is a dispatched op, a microsecond per leaf. Grads are real floating point.
+    return torch.float64 if overflow_safe or dtype == torch.float64 else torch.float32
+
+
+def _dense_view(t: torch.Tensor) -> torch.Tensor:
+    """Returns ``t`` with its dims permuted into memory order (outermost first).
+
+    A norm does not depend on element order, so a transposed gradient is
+    reduced in the order its storage holds it, and is contiguous then.
+    """
+    if t.is_contiguous() or t.dim() < 2:
+        return t
+    return t.permute(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
+
+
+# --- eager, CPU ------------------------------------------------------------------------------
+
+
+class _EagerCpu:
+    """One bucket's statistics in eager mode on CPU: norms (to be raised to ``p``) and ready statistics."""
+
+    def __init__(self, kind: NormKind, overflow_safe: bool) -> None:
+        self.kind = kind
+        self.overflow_safe = overflow_safe
+        self.norms: list[torch.Tensor] = []
+        self.stats: list[torch.Tensor] = []
+        self.streams: dict[torch.dtype, _Stream] = {}
+
+    def run(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        kind, safe = self.kind, self.overflow_safe
+        # Leaves reduced whole by one foreach call per input dtype.
+        whole: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+        if kind.op == "sum" and kind.p == 2.0:
+            self._sums_of_squares(tensors, whole)
+        elif kind.op != "sum":  # max and min are exact in any dtype and order
+            for t in tensors:
+                if t.numel() <= BLOCK:
+                    whole[t.dtype].append(t)
+                elif kind.op == "max":
+                    self.stats.extend(torch.aminmax(t))
+                else:
+                    self._stream(_acc_dtype(t.dtype, safe)).add(t)
+        elif kind.p == 0.0:  # counts, exact in fp32 up to 2^24
+            for t in tensors:
+                if t.numel() <= COUNT_WHOLE:
+                    whole[t.dtype].append(t)
+                else:
+                    self.stats.append(torch.count_nonzero(t))
+        else:
+            for t in tensors:
+                self._stream(_acc_dtype(t.dtype, safe)).add(t)
+        for stream in self.streams.values():
+            stream.flush()
+        for dtype, items in whole.items():
+            if not items:
+                continue
+            # Max and min are exact in the grads' own dtype; sums and counts need the accumulation dtype.
+            acc = _acc_dtype(dtype, safe) if kind.op == "sum" else dtype
+            self.norms.append(torch.stack(torch._foreach_norm(items, kind.p, dtype=None if acc == dtype else acc)))
+        return self.norms, self.stats
+
+    def _sums_of_squares(self, tensors: list[torch.Tensor], whole: dict[torch.dtype, list[torch.Tensor]]) -> None:
+        """2-norms. Leaves in their accumulation dtype (fp32, fp64) are read in place, by size:
+
+        up to ``WHOLE`` elements whole in the foreach call; up to ``MEDIUM`` as
+        ``torch.dot(x, x)`` (MKL keeps many partial sums: as fast per leaf as
+        torch's foreach, accurate for bf16-valued data too, and one thread up
+        to about 2^18 elements); larger ones row-wise, all threads. The rest
+        (bf16/fp16, strided leaves) goes through the scratch buffer.
+        """
+        own = (torch.float64,) if self.overflow_safe else (torch.float32, torch.float64)
+        if tensors[0].dtype in own and len({t.dtype for t in tensors}) == 1 and all(t.is_contiguous() for t in tensors):
+            # One dtype, all contiguous (the common case): sorted by size with no per-leaf branching.
+            sizes = [t.numel() for t in tensors]
+            if max(sizes) <= WHOLE:
+                whole[tensors[0].dtype].extend(tensors)
+                return
+            whole[tensors[0].dtype].extend(t for t, n in zip(tensors, sizes) if n <= WHOLE)
+            mid = [t if t.dim() == 1 else t.view(-1) for t, n in zip(tensors, sizes) if WHOLE < n <= MEDIUM]
+            self.stats.extend(map(torch.dot, mid, mid))
+            for t, n in zip(tensors, sizes):
+                if n > MEDIUM:
+                    self._rows(t.view(-1), whole)
+            return
+        for t in tensors:
+            dtype, n = t.dtype, t.numel()
+            dense = t if t.is_contiguous() else _dense_view(t)
+            if dtype not in own or not (n <= ROW or dense.is_contiguous()):
+                self._stream(_acc_dtype(dtype, self.overflow_safe)).add(t)
+            elif n <= WHOLE:
+                whole[dtype].append(t)
+            elif n <= MEDIUM:
+                flat = dense.view(-1)
+                self.stats.append(torch.dot(flat, flat))
+            else:
+                self._rows(dense.view(-1), whole)
+
+    def _rows(self, flat: torch.Tensor, whole: dict[torch.dtype, list[torch.Tensor]]) -> None:
+        """One row-wise norm over a flat leaf, read in place; its last partial row joins the foreach call."""
+        n = flat.numel()
+        rows = n // ROW
+        self.norms.append(torch.linalg.vector_norm(flat[: rows * ROW].view(rows, ROW), dim=1))
+        if n > rows * ROW:
+            whole[flat.dtype].append(flat[rows * ROW :])
+
+    def _stream(self, acc: torch.dtype) -> _Stream:
+        if acc not in self.streams:
+            self.streams[acc] = _Stream(self, _scratch(acc))
+        return self.streams[acc]
+
+    def reduce_block(self, block: torch.Tensor) -> None:
+        """Adds the statistics of a filled 1-D scratch block (it may be overwritten)."""
+        kind = self.kind
+        if kind.op == "sum" and kind.p == 2.0:
+            rows = block.numel() // ROW
+            if rows:
+                self.norms.append(torch.linalg.vector_norm(block[: rows * ROW].view(rows, ROW), dim=1))
+            if block.numel() > rows * ROW:
+                self.norms.append(torch.linalg.vector_norm(block[rows * ROW :]))
+        elif kind.op == "sum" and kind.p == 0.0:
+            self.stats.append(torch.count_nonzero(block))
+        elif kind.op == "sum":
+            block.abs_()
+            if kind.p != 1.0:
+                block.pow_(kind.p)
+            self.stats.append(block.sum())  # a cascade sum: accurate at any length
+        else:
+            block.abs_()
+            self.stats.append(block.amax() if kind.op == "max" else block.amin())
+
+
+class _Stream:
+    """Feeds leaves through a scratch buffer in the accumulation dtype, one block at a time.
+
+    The full blocks of a large dense leaf are copied (converted) straight into
+    the buffer and reduced at once. Everything else (small leaves, the tails
+    of large ones, pieces of strided leaves) waits until :meth:`flush`, which
+    packs it side by side: runs of contiguous items by one ``cat``, strided
+    pieces (at most ``BLOCK`` elements each, cut along the outermost dims in
+    memory order) by one ``copy_`` each. A strided leaf is never copied whole.
+    """
+
+    def __init__(self, owner: _EagerCpu, buf: torch.Tensor) -> None:
+        self.owner = owner
+        self.buf = buf
+        self.pending: list[torch.Tensor] = []
+
+    def add(self, t: torch.Tensor) -> None:
+        n = t.numel()
+        if n <= ROW or (n <= PACK and t.is_contiguous()):
+            self.pending.append(t.reshape(-1))
+            return
+        t = _dense_view(t)
+        if not t.is_contiguous():
+            self.pending.extend(_pieces(t, BLOCK))
+            return
+        flat = t.view(-1)
+        full = n - n % BLOCK
+        for a in range(0, full, BLOCK):
+            self.buf.copy_(flat[a : a + BLOCK])
+            self.owner.reduce_block(self.buf)
+        if full < n:
+            self.pending.append(flat[full:])
+
+    def flush(self) -> None:
+        buf, fill, run, run_at = self.buf, 0, [], 0
+        for item in self.pending:
+            n = item.numel()
+            if fill + n > BLOCK:
+                if run:
+                    torch.cat(run, out=buf[run_at:fill])
+                    run = []
+                self.owner.reduce_block(buf[:fill])
+                fill = 0
+            if item.dim() == 1 and item.is_contiguous():
+                if not run:
+                    run_at = fill
+                run.append(item)
+            else:
+                if run:
+                    torch.cat(run, out=buf[run_at:fill])
+                    run = []
+                buf[fill : fill + n].view(item.shape).copy_(item)
+            fill += n
+        if run:
+            torch.cat(run, out=buf[run_at:fill])
+        if fill:
+            self.owner.reduce_block(buf[:fill])
+        self.pending = []
+
+
+def _pieces(t: torch.Tensor, limit: int) -> Iterator[torch.Tensor]:
+    """Views that partition ``t``, each of at most ``limit`` elements, cut along the leading dims."""
+    if t.numel() <= limit:
+        yield t
+        return
+    if t.dim() == 1:
+        for a in range(0, t.shape[0], limit):
+            yield t[a : a + limit]
+        return
+    inner = t.numel() // t.shape[0]
+    if inner > limit:
+        for i in range(t.shape[0]):
+            yield from _pieces(t[i], limit)
+        return
+    step = limit // inner
+    for a in range(0, t.shape[0], step):
+        yield t[a : a + step]
+
+
+def _scratch(dtype: torch.dtype) -> torch.Tensor:
+    """This thread's reusable CPU scratch buffer of ``BLOCK`` elements of ``dtype``."""
+    buffers = _SCRATCH.__dict__.setdefault("buffers", {})
+    buf = buffers.get(dtype)
+    if buf is None:
+        # A normal tensor even when first made under inference_mode, so that later calls may write it.
+        with torch.inference_mode(False):
+            buf = buffers[dtype] = torch.empty(BLOCK, dtype=dtype)
+    return buf
+
+
+# --- traced (torch.compile) and non-CPU devices ----------------------------------------------
+
+
+def _traced(
+    tensors: list[torch.Tensor], kind: NormKind, overflow_safe: bool
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Norms (to be raised to ``p``) and ready statistics, in shape-static code with no scratch buffer.
+
+    For tracing, and for accelerators in eager mode. ``_foreach_norm`` stays
+    one call to torch's kernel under inductor (whose accuracy is the eager
+    one, above), so it takes only what that kernel reduces accurately: small
+    leaves, and dense fp32 leaves up to ``MEDIUM`` elements cut into pieces
+    of ``WHOLE``. Larger leaves get a row-wise ``vector_norm``, which inductor
+    generates as its own reduction (a ``dot`` too, less accurately: 1.4e-6 on
+    32K bf16-valued elements), and a strided leaf one ``vector_norm`` over
+    each index of its outermost dim.
+    """
+    norms: list[torch.Tensor] = []
+    stats: list[torch.Tensor] = []
+    whole: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+    for t in tensors:
+        acc = _acc_dtype(t.dtype, overflow_safe)
+        n = t.numel()
+        if kind.op != "sum":
+            limit = n  # max and min are exact in any order
+        elif kind.p == 0.0:
+            limit = COUNT_WHOLE
+        elif kind.p == 2.0:
+            limit = WHOLE if t.dtype == acc else ROW
+        else:
+            limit = 0
+        if n <= limit:
+            whole[t.dtype].append(t)
+            continue
+        t = _dense_view(t)
+        if kind.op == "sum" and kind.p == 2.0 and t.dtype == acc and n <= MEDIUM and t.is_contiguous():
+            # Pieces of WHOLE elements join the foreach call: views cost nothing in a graph, and
+            # this keeps inductor from generating a reduction kernel per leaf (compile time).
+            whole[t.dtype].extend(t.view(-1).split(WHOLE))
+            continue
+        if t.is_contiguous() and n >= ROW:
+            flat = t.view(-1)
+            rows = n // ROW
+            norms.append(torch.linalg.vector_norm(flat[: rows * ROW].view(rows, ROW), kind.p, dim=1, dtype=acc))
+            t = flat[rows * ROW :]
+            if t.numel() == 0:
+                continue
+        dims = tuple(range(1, t.dim())) if t.dim() > 1 else None
+        norms.append(torch.linalg.vector_norm(t, kind.p, dim=dims, dtype=acc))
+    for dtype, items in whole.items():
+        norms.extend(torch._foreach_norm(items, kind.p, dtype=_acc_dtype(dtype, overflow_safe)))
+    return norms, stats

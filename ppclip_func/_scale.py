@@ -79,12 +79,8 @@ def scale(
         ``inplace``). Each keeps its dtype: the product is computed in the
         higher precision of the pair and rounded once.
     """
-    buckets: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
-    for i, t in enumerate(tensors):
-        buckets[(t.device, t.dtype)].append(i)
     out: list[torch.Tensor] = list(tensors)
-    for (device, dtype), idx in buckets.items():
-        group = [tensors[i] for i in idx]
+    for (device, dtype), (group, idx) in _by_device_and_dtype(tensors).items():
         c = coef.to(device, torch.float64 if dtype == torch.float64 else torch.float32)
         drop = None if keep is None else ~keep.to(device)
         if inplace:
@@ -102,3 +98,24 @@ def scale(
             # A 0-dim grad times the 0-dim fp32 coefficient promotes to fp32.
             out[i] = t if t.dtype == tensors[i].dtype else t.to(tensors[i].dtype)
     return out
+
+
+def _by_device_and_dtype(
+    tensors: list[torch.Tensor],
+) -> dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]]:
+    """The tensors of each (device, dtype) and their positions in ``tensors``."""
+    if tensors and not torch.compiler.is_compiling():
+        if len({t.dtype for t in tensors}) == 1:
+            # The common case. Callers pass the leaves of one rank, on one device (flatten_grads checks).
+            return {(tensors[0].device, tensors[0].dtype): (tensors, list(range(len(tensors))))}
+        # torch's C++ grouping (what its own clip uses): no Python work per leaf.
+        grouped = torch._C._group_tensors_by_device_and_dtype([tensors], True)
+        return {key: (lists[0], idx) for key, (lists, idx) in grouped.items()}
+    buckets: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]] = defaultdict(
+        lambda: ([], [])
+    )
+    for i, t in enumerate(tensors):
+        group, idx = buckets[(t.device, t.dtype)]
+        group.append(t)
+        idx.append(i)
+    return buckets

@@ -27,18 +27,21 @@ class Leaves:
     Attributes:
         tree: The pytree itself.
         flat: Every leaf of the tree (``None`` included), for unflattening.
-        spec: The tree structure.
+        spec: The tree structure (``None`` until :meth:`unflatten` needs it,
+            for a flat list or tuple).
         index: Position in ``flat`` of each tensor leaf.
         tensors: The tensor leaves (``torch.Tensor`` or ``DTensor``).
         shards: The local shard of each leaf (the leaf itself for plain tensors).
+        has_dtensor: Whether any leaf is a ``DTensor``.
     """
 
     tree: Any
     flat: list[Any]
-    spec: pytree.TreeSpec
+    spec: pytree.TreeSpec | None
     index: list[int]
     tensors: list[torch.Tensor]
     shards: list[torch.Tensor]
+    has_dtensor: bool = False
 
     def paths(self) -> list[str]:
         """Returns the pytree path of each tensor leaf, as ``keystr`` prints it.
@@ -65,6 +68,8 @@ class Leaves:
         flat = list(self.flat)
         for i, t in zip(self.index, new_tensors):
             flat[i] = t
+        if self.spec is None:
+            self.spec = pytree.tree_structure(self.tree)
         return pytree.tree_unflatten(flat, self.spec)
 
 
@@ -76,12 +81,24 @@ def flatten_grads(grads: Any, what: str = "gradient") -> Leaves:
             not float16, bfloat16, float32 or float64.
         ValueError: Leaves sit on different devices.
     """
-    flat, spec = pytree.tree_flatten(grads)
-    index, tensors, locals_ = [], [], []
+    if type(grads) in (list, tuple):
+        # A flat list is its own flattening: no per-leaf pytree work, and the
+        # spec is built only if unflatten needs it. _check_leaves falls back to
+        # tree_flatten if the list holds containers.
+        return _check_leaves(grads, what, list(grads), None)
+    return _check_leaves(grads, what, *pytree.tree_flatten(grads))
+
+
+def _check_leaves(grads: Any, what: str, flat: list[Any], spec: pytree.TreeSpec | None) -> Leaves:
+    index, tensors, has_dtensor = [], [], False
     for i, leaf in enumerate(flat):
         if leaf is None:
             continue
-        if not isinstance(leaf, torch.Tensor):
+        if isinstance(leaf, DTensor):
+            has_dtensor = True
+        elif not isinstance(leaf, torch.Tensor):
+            if spec is None:
+                return _check_leaves(grads, what, *pytree.tree_flatten(grads))
             name = _paths(grads)[i]
             raise TypeError(f"{what} leaf {name} must be a torch.Tensor, a DTensor or None, got {type(leaf).__name__}")
         if leaf.dtype not in SUPPORTED_DTYPES:
@@ -90,17 +107,18 @@ def flatten_grads(grads: Any, what: str = "gradient") -> Leaves:
                 f"{what} leaf {name} has dtype {leaf.dtype}; only float16, bfloat16, float32 and float64 "
                 "gradients have a norm here (float8 grads have no norm or foreach kernels: upcast them first)"
             )
-        local = leaf.to_local() if isinstance(leaf, DTensor) else leaf
-        if locals_ and local.device != locals_[0].device:
-            paths = _paths(grads)
-            raise ValueError(
-                f"{what} leaves {paths[index[0]]} and {paths[i]} are on different devices "
-                f"({locals_[0].device} and {local.device}); a clip works on one device per rank"
-            )
         index.append(i)
         tensors.append(leaf)
-        locals_.append(local)
-    return Leaves(tree=grads, flat=flat, spec=spec, index=index, tensors=tensors, shards=locals_)
+    locals_ = [t.to_local() if isinstance(t, DTensor) else t for t in tensors] if has_dtensor else tensors
+    if len({t.device for t in locals_}) > 1:
+        first = locals_[0].device
+        j = next(j for j, t in enumerate(locals_) if t.device != first)
+        paths = _paths(grads)
+        raise ValueError(
+            f"{what} leaves {paths[index[0]]} and {paths[index[j]]} are on different devices "
+            f"({first} and {locals_[j].device}); a clip works on one device per rank"
+        )
+    return Leaves(grads, flat, spec, index, tensors, locals_, has_dtensor)
 
 
 def _paths(tree: Any) -> list[str]:

@@ -208,7 +208,13 @@ def graph_constants(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
 
 
 def assert_same_result(got: Any, want: Any) -> None:
-    """Compiled (aot_eager) and eager run the same aten ops: results agree to the last bit."""
+    """Compiled (aot_eager) and eager agree within the precision promise.
+
+    Eager on CPU reduces large and low-precision leaves through a scratch
+    buffer, the traced graph with whole-leaf and row-wise norms, so the norms
+    may differ in their last bits (within 1e-6 relative), and a clipped grad
+    then by at most one rounding in its dtype.
+    """
     got_leaves, got_spec = pytree.tree_flatten(got)
     want_leaves, want_spec = pytree.tree_flatten(want)
     assert got_spec == want_spec
@@ -220,7 +226,8 @@ def assert_same_result(got: Any, want: Any) -> None:
         if isinstance(b, DTensor):
             assert a.placements == b.placements and a.device_mesh == b.device_mesh
             a, b = a.to_local(), b.to_local()
-        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+        rtol = max(1e-6, 2 * torch.finfo(b.dtype).eps)
+        torch.testing.assert_close(a, b, rtol=rtol, atol=0, equal_nan=True)
 
 
 def compile_pure(mesh: DeviceMesh | None, norm_type: float) -> tuple[Callable, CaptureBackend]:

@@ -223,6 +223,14 @@ def test_large_leaves_are_chunked_without_changing_the_norm(norm_type, dtype):
     big = torch.randn(3 * 4096 + 1234, generator=g, dtype=torch.float64)
     big[::5] = 0.0  # zeros for the 0-"norm"
     exact_rows = torch.randn(2, 4096, generator=g, dtype=torch.float64)
-    transposed = torch.randn(300, 400, generator=g, dtype=torch.float64).t()  # not contiguous: one chunk
+    # Dense in memory order: permuted back, then reduced in rows like a contiguous leaf.
+    transposed = torch.randn(300, 400, generator=g, dtype=torch.float64).t()
+    assert not transposed.is_contiguous() and transposed.t().is_contiguous()
+    wide = torch.randn(300, 401, generator=g, dtype=torch.float64)
+    # .to keeps the strides of a dense tensor: the converted one is transposed too.
     grads = [t.to(dtype) for t in (big, exact_rows, transposed)] + [torch.randn(3, generator=g).to(dtype)]
+    # Contiguous under no permutation: reduced in blocks copied out of it.
+    column_slice = wide.to(dtype)[:, :400]
+    assert not column_slice.is_contiguous() and not column_slice.t().is_contiguous()
+    grads.append(column_slice)
     assert_close_rel(float(global_grad_norm(grads, None, norm_type)), reference_norm(grads, norm_type), 1e-6)
