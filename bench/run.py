@@ -99,8 +99,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="CI-sized run")
     parser.add_argument("--only", nargs="+", choices=STUDIES, help="run these studies only")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="results folder (default bench/results)")
+    parser.add_argument(
+        "--summarize",
+        action="store_true",
+        help="run nothing: rebuild <out>/summary.md from the study JSONs already there (after --only runs)",
+    )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.summarize:
+        found = {
+            name: json.loads((args.out / f"{name}.json").read_text())
+            for name in STUDIES
+            if name != "gpu" and (args.out / f"{name}.json").exists()
+        }
+        notes = {} if torch.cuda.is_available() else {"gpu": _gpu_not_measured(args.out)}
+        summary = _report.summary(found, notes, False, {})
+        (args.out / "summary.md").write_text(summary)
+        print(summary)
+        return 0
 
     results: dict[str, dict | None] = {}
     notes: dict[str, str] = {}
