@@ -392,6 +392,8 @@ def clip_grad_norm_(
 
     def read_grads() -> Any:
         if isinstance(parameters, list):  # the common case, without tree_map's per-leaf overhead
+            if set(map(type, parameters)) <= _PARAMETER_TYPES:
+                return [p.grad for p in parameters]
             return [_grad_of(p) for p in parameters]
         return pytree.tree_map(_grad_of, parameters)
 
@@ -399,6 +401,9 @@ def clip_grad_norm_(
     measured = measure(read_grads, parameters, "parameter grad", mesh, kind, opts)
     _apply(measured.leaves.shards, max_norm, measured.total, eps, nonfinite, kind.p, inplace=True)
     return measured.norms(groups is not None)
+
+
+_PARAMETER_TYPES = frozenset({torch.nn.Parameter, torch.Tensor})
 
 
 def _grad_of(p: Any) -> torch.Tensor | None:

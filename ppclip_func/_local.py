@@ -106,7 +106,7 @@ def local_statistics(
     # Leaves of one (group, weight) are summed (maxed) together: one statistic per bucket.
     buckets: dict[tuple[int, float], list[torch.Tensor]] = defaultdict(list)
     if len(set(groups)) == 1 and (kind.op != "sum" or len(set(weights)) == 1):  # one bucket: no per-leaf keys
-        live = [t for t in tensors if t.numel() > 0]
+        live = tensors if all(map(torch.Tensor.numel, tensors)) else [t for t in tensors if t.numel() > 0]
         if live:
             buckets[(groups[0], weights[0] if kind.op == "sum" else 1.0)] = live
     else:
@@ -124,7 +124,10 @@ def local_statistics(
         stats = torch.full((n_groups,), kind.identity, dtype=STAT_DTYPE, device=device)
         for g, stat in combined.items():
             stats[g] = stat
-    return kind.encode(stats, torch.tensor(_levels(tensors, groups, n_groups), dtype=STAT_DTYPE, device=device))
+    levels = _levels(tensors, groups, n_groups)
+    if n_groups == 1 and kind.op == "sum":  # the common case: the level appended by one op, no host tensor
+        return torch.constant_pad_nd(stats, (0, 1), levels[0])
+    return kind.encode(stats, torch.tensor(levels, dtype=STAT_DTYPE, device=device))
 
 
 def _levels(tensors: list[torch.Tensor], groups: list[int], n_groups: int) -> list[float]:
@@ -243,9 +246,11 @@ class _EagerCpu:
         (bf16/fp16, strided leaves) goes through the scratch buffer.
         """
         own = (torch.float64,) if self.overflow_safe else (torch.float32, torch.float64)
-        if tensors[0].dtype in own and len({t.dtype for t in tensors}) == 1 and all(t.is_contiguous() for t in tensors):
+        layouts = {(t.dtype, t.is_contiguous()) for t in tensors}  # one pass over the leaves
+        dtype, contiguous = next(iter(layouts))
+        if len(layouts) == 1 and contiguous and dtype in own:
             # One dtype, all contiguous (the common case): sorted by size with no per-leaf branching.
-            sizes = [t.numel() for t in tensors]
+            sizes = list(map(torch.Tensor.numel, tensors))
             if max(sizes) <= WHOLE:
                 whole[tensors[0].dtype].extend(tensors)
                 return

@@ -85,9 +85,10 @@ def measure(
     except Exception:
         release_peers(mesh, given, kind, opts.pp_dim, _n_groups(opts.groups))
         raise
-    per_group, total = kind.decode(all_reduce_statistics(stats, kind, world))
+    per_group, total = kind.decode(all_reduce_statistics(stats, kind, world), per_group=bool(labels))
     dtype = _norm_dtype()
-    return Measured(leaves, total.to(dtype), {label: per_group[i].to(dtype) for i, label in enumerate(labels)})
+    groups = {label: per_group[i].to(dtype) for i, label in enumerate(labels)} if per_group is not None else {}
+    return Measured(leaves, total.to(dtype), groups)
 
 
 def _n_groups(groups: GroupSpec | None) -> int:

@@ -87,10 +87,12 @@ class NormKind:
         ``levels`` are ``ABSENT``/``HAS_LEAF``/``HAS_ELEMENT`` per group; a
         NaN statistic raises its group's level to ``HAS_NAN``.
         """
+        if self.op == "sum":  # a sum carries a NaN by itself: the levels need not say it
+            return torch.cat([stats, levels])
         nan = torch.isnan(stats)
         levels = torch.where(nan, HAS_NAN, levels)
-        if self.op != "sum":  # the all-reduce would drop the NaN: carry it in the level
-            stats = torch.where(nan, math.inf if self.op == "max" else -math.inf, stats)
+        # The all-reduce would drop the NaN: carry it in the level.
+        stats = torch.where(nan, math.inf if self.op == "max" else -math.inf, stats)
         return torch.cat([stats, -levels if self.op == "min" else levels])
 
     def poison(self, n_groups: int, device: torch.device) -> torch.Tensor:
@@ -98,13 +100,17 @@ class NormKind:
         nan = torch.full((n_groups,), math.nan, dtype=torch.float64, device=device)
         return self.encode(nan, torch.full_like(nan, HAS_NAN))
 
-    def decode(self, reduced: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode(self, reduced: torch.Tensor, per_group: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Returns ``(per-group norms, total norm)`` from the all-reduced vector, in float64.
 
         The total covers every group. A group that no rank holds a leaf of
         gets NaN; a NaN on any rank makes its group's norm and the total NaN.
+        With ``per_group=False`` the first is ``None`` and a sum-type total
+        costs two ops (the eager clip of many small leaves feels each one).
         """
         n = reduced.numel() // 2
+        if self.op == "sum" and not per_group:
+            return None, self.root(reduced[0] if n == 1 else reduced[:n].sum())
         stats, levels = reduced[:n], reduced[n:].abs()
         nan = torch.full_like(stats, math.nan)
         if self.op == "sum":  # sums carry NaN by themselves; a level sum > 0 means some rank had a leaf

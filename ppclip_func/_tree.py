@@ -18,6 +18,9 @@ from torch.utils import _pytree as pytree
 __all__: list[str] = []
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_SUPPORTED = frozenset(SUPPORTED_DTYPES)
+# Leaf types that need no per-leaf check beyond their dtype (parameters' grads are plain tensors).
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
 @dataclasses.dataclass
@@ -90,6 +93,10 @@ def flatten_grads(grads: Any, what: str = "gradient") -> Leaves:
 
 
 def _check_leaves(grads: Any, what: str, flat: list[Any], spec: pytree.TreeSpec | None) -> Leaves:
+    kinds = set(map(type, flat))
+    if kinds <= _PLAIN and {t.dtype for t in flat} <= _SUPPORTED:
+        # The common case, checked by set operations: plain tensors of supported dtypes, no None.
+        return _on_one_device(Leaves(grads, flat, spec, list(range(len(flat))), flat, flat), what)
     index, tensors, has_dtensor = [], [], False
     for i, leaf in enumerate(flat):
         if leaf is None:
@@ -110,15 +117,21 @@ def _check_leaves(grads: Any, what: str, flat: list[Any], spec: pytree.TreeSpec 
         index.append(i)
         tensors.append(leaf)
     locals_ = [t.to_local() if isinstance(t, DTensor) else t for t in tensors] if has_dtensor else tensors
-    if len({t.device for t in locals_}) > 1:
-        first = locals_[0].device
-        j = next(j for j, t in enumerate(locals_) if t.device != first)
-        paths = _paths(grads)
+    return _on_one_device(Leaves(grads, flat, spec, index, tensors, locals_, has_dtensor), what)
+
+
+def _on_one_device(leaves: Leaves, what: str) -> Leaves:
+    """Returns ``leaves`` if all its shards share one device; raises naming two that do not."""
+    shards = leaves.shards
+    if len({t.device for t in shards}) > 1:
+        first = shards[0].device
+        j = next(j for j, t in enumerate(shards) if t.device != first)
+        paths = leaves.paths()
         raise ValueError(
-            f"{what} leaves {paths[index[0]]} and {paths[index[j]]} are on different devices "
-            f"({first} and {locals_[j].device}); a clip works on one device per rank"
+            f"{what} leaves {paths[0]} and {paths[j]} are on different devices "
+            f"({first} and {shards[j].device}); a clip works on one device per rank"
         )
-    return Leaves(grads, flat, spec, index, tensors, locals_, has_dtensor)
+    return leaves
 
 
 def _paths(tree: Any) -> list[str]:
