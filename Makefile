@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-$(VERSION)-torch-$(TORCH)
 BENCH_STAMP := $(STAMP)-bench
 LINTED := ppclip_func tests bench demo
 
-.PHONY: demo test test-quick test-torch-2.14 lint bench clean
+.PHONY: demo demo-spike test test-quick test-torch-2.14 lint bench clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -28,6 +28,10 @@ $(BENCH_STAMP): $(STAMP)
 
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m demo
+
+# A gradient spike on the same 8-rank model: fixed threshold vs adaptive vs skipping (demo/spike.py).
+demo-spike: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m demo.spike
 
 # The full benchmark suite (long; `$(PY) -m bench --quick` is the CI-sized run).
 # The bandwidth study also measures the pure API under jemalloc (bench/README.md,

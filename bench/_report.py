@@ -265,6 +265,27 @@ def _compile_table(cp: dict) -> list[str]:
     return lines
 
 
+def _features_table(ft: dict) -> list[str]:
+    variants = ("adaptive", "adaptive_skip", "param_norms")
+    lines = [
+        "| setting | leaves | plain eager ms | "
+        + " | ".join(f"{v} eager" for v in variants)
+        + " | "
+        + " | ".join(f"{v} compiled" for v in variants)
+        + " | skip_update_ over AdamW step |",
+        "|---|---|---|" + "---|" * (2 * len(variants)) + "---|",
+    ]
+    for s in ft.get("settings", []):
+        eager = " | ".join(_x(s["eager_ratio_vs_plain"][v]) for v in variants)
+        comp = s.get("compiled_ratio_vs_plain")
+        compiled = " | ".join(_x(comp[v]) if comp else "—" for v in variants)
+        lines.append(
+            f"| {s['setting']} | {s['leaves']:,} | {_ms(s['eager_ms']['plain'])} | {eager} | {compiled} "
+            f"| {_x(s['skippable_over_adamw'])} |"
+        )
+    return lines
+
+
 def summary(results: dict[str, dict | None], notes: dict[str, str], quick: bool, seconds: dict[str, float]) -> str:
     """The Markdown the README includes: the goals table, then one table per study."""
     machine = next((r["machine"] for r in results.values() if r and "machine" in r), {})
@@ -296,6 +317,9 @@ def summary(results: dict[str, dict | None], notes: dict[str, str], quick: bool,
     if results.get("ranks"):
         lines += ["", "### 6. Host time per norm vs world size, fake process group (median ms)", ""]
         lines += _ranks_table(results["ranks"])
+    if results.get("features"):
+        lines += ["", "### 7. Cost of the features over the plain in-place clip (time ratio, median)", ""]
+        lines += _features_table(results["features"])
     took = ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items())
     lines += ["", f"Wall time per study: {took}."]
     return "\n".join(lines) + "\n"

@@ -20,6 +20,9 @@ Studies (each a module ``bench/<name>_study.py`` with ``run(quick, out) -> dict`
    ``gpu.json`` in ``<out>`` is kept).
 6. ``ranks``: one process on a fake process group, 64 → 65 536 ranks, 1000
    DTensor leaves: host time per norm, ours vs torch's, and the first call.
+7. ``features``: one process: what the adaptive threshold, step skipping and
+   per-parameter norms cost over the plain clip, GPT-2 shapes and 1000 and
+   10 000 leaves.
 
 Also run if present: ``overflow`` (what ``overflow_safe=True`` costs).
 
@@ -45,7 +48,7 @@ import torch
 from bench import _report
 
 RESULTS = pathlib.Path(__file__).parent / "results"
-STUDIES = ("bandwidth", "leaves", "distributed", "ranks", "compile", "overflow", "gpu")
+STUDIES = ("bandwidth", "leaves", "distributed", "ranks", "compile", "overflow", "features", "gpu")
 OPTIONAL = {"compile", "overflow"}  # written elsewhere; skipped with a note if absent
 COMPILE_LEAVES_FULL = [145, 1000]
 

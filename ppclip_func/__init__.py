@@ -5,7 +5,16 @@ every leaf is weighed by its layout, all of them are combined locally, and a
 single functional all-reduce gives every rank the norm of the whole model.
 """
 
-from ._api import clip_grad_norm, clip_grad_norm_, clip_grads_with_norm, global_grad_norm
+from ._adaptive import ClipState, ClipStats, init_clip_state, select_update, skip_update_
+from ._api import (
+    adaptive_clip_grad_norm,
+    adaptive_clip_grad_norm_,
+    clip_grad_norm,
+    clip_grad_norm_,
+    clip_grads_with_norm,
+    global_grad_norm,
+)
+from ._params import ParamIndex, param_norm_index
 
 __all__ = [
     # Measure, apply, or both (pure).
@@ -14,6 +23,16 @@ __all__ = [
     "clip_grad_norm",
     # In place on p.grad: the drop-in for torchtitan-style trainers.
     "clip_grad_norm_",
+    # A threshold that follows the run, step skipping, per-parameter norms.
+    "adaptive_clip_grad_norm_",
+    "adaptive_clip_grad_norm",
+    "init_clip_state",
+    "ClipState",
+    "ClipStats",
+    "skip_update_",
+    "select_update",
+    "param_norm_index",
+    "ParamIndex",
 ]
 
 __version__ = "0.2.0.dev0"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar, overload
 
 import torch
@@ -12,13 +12,22 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
-from ._measure import GroupNorms, NormOptions, PpDim, measure
+from ._adaptive import ClipState, ClipStats, check_adaptive_args, threshold_and_skip, update_state
+from ._measure import GroupNorms, Measured, NormOptions, PpDim, measure
 from ._norms import norm_kind
+from ._params import ParamIndex
 from ._paths import GroupSpec, TiedSpec
 from ._scale import NONFINITE_POLICIES, clip_coefficient, finite_mask, scale
 from ._tree import Leaves, flatten_grads
 
-__all__ = ["clip_grad_norm", "clip_grad_norm_", "clip_grads_with_norm", "global_grad_norm"]
+__all__ = [
+    "adaptive_clip_grad_norm",
+    "adaptive_clip_grad_norm_",
+    "clip_grad_norm",
+    "clip_grad_norm_",
+    "clip_grads_with_norm",
+    "global_grad_norm",
+]
 
 PyTree = TypeVar("PyTree")
 
@@ -377,15 +386,191 @@ def clip_grad_norm_(
     """
     _check_clip_args(max_norm, eps, nonfinite)
     kind = norm_kind(norm_type)
+    parameters, read_grads = _grad_reader(parameters, "clip_grad_norm_")
+    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe)
+    measured = measure(read_grads, parameters, "parameter grad", mesh, kind, opts)
+    _apply(measured.leaves.shards, max_norm, measured.total, eps, nonfinite, kind.p, inplace=True)
+    return measured.norms(groups is not None)
+
+
+@torch.no_grad()
+def adaptive_clip_grad_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor] | Any,
+    mesh: DeviceMesh | None,
+    state: ClipState,
+    norm_type: float = 2.0,
+    *,
+    max_norm: float | torch.Tensor = 1.0,
+    z: float | None = 2.5,
+    alpha: float = 0.97,
+    warmup: int = 25,
+    skip_z: float | None = None,
+    param_norms: ParamIndex | None = None,
+    pp_dim: PpDim = None,
+    eps: float = 1e-6,
+    groups: GroupSpec | None = None,
+    tied: TiedSpec | None = None,
+    partial: str = "error",
+    nonfinite: str = "propagate",
+    overflow_safe: bool = False,
+) -> ClipStats:
+    """Clips ``p.grad`` in place to a threshold that follows the run; says whether to skip the step.
+
+    One collective, as :func:`clip_grad_norm_`, and nothing read on the host:
+    the threshold, the skip decision and the new statistics are 0-dim
+    tensors computed on the device.
+
+    * **Warm-up** (the first ``warmup`` finite norms): clip at ``max_norm``;
+      the norms' plain mean and variance start the statistics.
+    * **Then** (with ``z``): clip at ``mean + z * std`` of the norms so far,
+      exponentially weighted with ``alpha``, and take the norm *after*
+      clipping into the statistics, so that one spike does not raise the
+      next threshold (ZClip, Kumar et al. 2025, arXiv:2504.02507; its
+      defaults). With ``z=None`` the clip stays at ``max_norm`` and the
+      statistics still follow the norm (for ``skip_z`` and logging).
+    * **Skip**: ``stats.skip`` is true when the norm is non-finite, or (with
+      ``skip_z``, after warm-up) its z-score is above ``skip_z``. A skipped
+      step leaves the statistics unchanged. The grads are clipped either
+      way; apply the decision to the optimizer update with
+      :func:`skip_update_` (in place) or :func:`select_update` (pure).
+
+    Args:
+        parameters: As :func:`clip_grad_norm_`; for ``param_norms``, the
+            tree the index was built from (``dict(model.named_parameters())``).
+        mesh: The world mesh, or ``None`` (see :func:`global_grad_norm`).
+        state: The previous step's ``stats.state``; :func:`init_clip_state`
+            for the first step.
+        norm_type: ``p > 0``, ``0``, ``inf`` or ``-inf``.
+        max_norm: The threshold during warm-up (always, with ``z=None``).
+        z: Standard deviations above the mean to clip at after warm-up, or
+            ``None`` for a fixed threshold.
+        alpha: Weight of the past in the running statistics, in (0, 1):
+            about ``1 / (1 - alpha)`` steps of memory (33 by default).
+        warmup: Norms taken before the threshold adapts (>= 2).
+        skip_z: Z-score above which a step is skipped, or ``None`` to skip
+            only on a non-finite norm. Larger than ``z`` to mean anything:
+            clip moderate spikes, skip extreme ones.
+        param_norms: A :class:`ParamIndex` from :func:`param_norm_index`:
+            every parameter's norm, of the whole model, on every rank, from
+            the same collective.
+        pp_dim, eps, groups, tied, partial, nonfinite, overflow_safe: As
+            :func:`clip_grad_norm_`.
+
+    Returns:
+        A :class:`ClipStats`: the norm before clipping, the threshold, the
+        z-score, ``skip``, the new state, and the group and parameter norms
+        if asked for.
+
+    Raises:
+        TypeError, ValueError, RuntimeError: As :func:`clip_grad_norm_`, and
+            for a malformed ``state`` or option.
+
+    Example:
+        >>> import torch
+        >>> from ppclip_func import adaptive_clip_grad_norm_, init_clip_state
+        >>> w = torch.nn.Parameter(torch.zeros(2))
+        >>> state = init_clip_state()
+        >>> for step in range(30):
+        ...     w.grad = torch.full((2,), 1.0 + 0.1 * (step % 3))
+        ...     stats = adaptive_clip_grad_norm_([w], None, state, warmup=5, skip_z=6.0)
+        ...     state = stats.state
+        >>> w.grad = torch.full((2,), 50.0)  # a spike
+        >>> stats = adaptive_clip_grad_norm_([w], None, state, warmup=5, skip_z=6.0)
+        >>> bool(stats.skip), round(float(stats.threshold), 2)
+        (True, 1.83)
+    """
+    _check_clip_args(max_norm, eps, nonfinite)
+    check_adaptive_args(state, max_norm, z, alpha, warmup, skip_z)
+    kind = norm_kind(norm_type)
+    parameters, read_grads = _grad_reader(parameters, "adaptive_clip_grad_norm_")
+    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, param_norms)
+    measured = measure(read_grads, parameters, "parameter grad", mesh, kind, opts)
+    stats = _adapt(measured, state, max_norm, z, alpha, warmup, skip_z, groups is not None)
+    _apply(measured.leaves.shards, stats.threshold, measured.total, eps, nonfinite, kind.p, inplace=True)
+    return stats
+
+
+@torch.no_grad()
+def adaptive_clip_grad_norm(
+    grads: PyTree,
+    mesh: DeviceMesh | None,
+    state: ClipState,
+    norm_type: float = 2.0,
+    *,
+    max_norm: float | torch.Tensor = 1.0,
+    z: float | None = 2.5,
+    alpha: float = 0.97,
+    warmup: int = 25,
+    skip_z: float | None = None,
+    param_norms: ParamIndex | None = None,
+    pp_dim: PpDim = None,
+    eps: float = 1e-6,
+    groups: GroupSpec | None = None,
+    tied: TiedSpec | None = None,
+    partial: str = "error",
+    nonfinite: str = "propagate",
+    overflow_safe: bool = False,
+) -> tuple[PyTree, ClipStats]:
+    """The pure form of :func:`adaptive_clip_grad_norm_`: returns ``(clipped grads, stats)``.
+
+    Args:
+        grads: A pytree of ``torch.Tensor``/``DTensor`` gradients or ``None``.
+        mesh, state, norm_type, max_norm, z, alpha, warmup, skip_z,
+            param_norms, pp_dim, eps, groups, tied, partial, nonfinite,
+            overflow_safe: As :func:`adaptive_clip_grad_norm_`.
+
+    Returns:
+        The clipped gradients, with the structure of ``grads``, and a
+        :class:`ClipStats`.
+
+    Example:
+        >>> import torch
+        >>> from ppclip_func import adaptive_clip_grad_norm, init_clip_state
+        >>> clipped, stats = adaptive_clip_grad_norm({"w": torch.full((4,), 3.0)}, None, init_clip_state())
+        >>> clipped["w"], stats.total_norm, stats.threshold
+        (tensor([0.5000, 0.5000, 0.5000, 0.5000]), tensor(6.), tensor(1.))
+    """
+    _check_clip_args(max_norm, eps, nonfinite)
+    check_adaptive_args(state, max_norm, z, alpha, warmup, skip_z)
+    kind = norm_kind(norm_type)
+    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, param_norms)
+    measured = measure(lambda: grads, grads, "gradient", mesh, kind, opts)
+    stats = _adapt(measured, state, max_norm, z, alpha, warmup, skip_z, groups is not None)
+    scaled = _apply(measured.leaves.shards, stats.threshold, measured.total, eps, nonfinite, kind.p, inplace=False)
+    return measured.leaves.unflatten(_rewrap(measured.leaves, scaled)), stats
+
+
+def _adapt(
+    measured: Measured,
+    state: ClipState,
+    max_norm: float | torch.Tensor,
+    z: float | None,
+    alpha: float,
+    warmup: int,
+    skip_z: float | None,
+    with_groups: bool,
+) -> ClipStats:
+    total = measured.total
+    threshold, zscore, skip = threshold_and_skip(total, state, max_norm=max_norm, z=z, skip_z=skip_z, warmup=warmup)
+    new_state = update_state(state, total, threshold, skip, alpha=alpha, warmup=warmup)
+    groups = measured.per_group if with_groups else None
+    return ClipStats(total, threshold.to(total.dtype), zscore, skip, new_state, groups, measured.per_param)
+
+
+_PARAMETER_TYPES = frozenset({torch.nn.Parameter, torch.Tensor})
+
+
+def _grad_reader(parameters: Any, caller: str) -> tuple[Any, Callable[[], Any]]:
+    """Returns the parameters as a tensor pytree (a generator consumed once) and a function reading their grads."""
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     elif isinstance(parameters, Iterator):
         parameters = list(parameters)  # consumed once, here
         if not parameters:
             warnings.warn(
-                "clip_grad_norm_: `parameters` is an empty iterator (a generator that was already consumed?); "
+                f"{caller}: `parameters` is an empty iterator (a generator that was already consumed?); "
                 "no gradient of this rank will be clipped",
-                stacklevel=3,
+                stacklevel=4,
             )
     elif not isinstance(parameters, (list, tuple, dict)) and isinstance(parameters, Iterable):
         parameters = list(parameters)
@@ -397,13 +582,7 @@ def clip_grad_norm_(
             return [_grad_of(p) for p in parameters]
         return pytree.tree_map(_grad_of, parameters)
 
-    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe)
-    measured = measure(read_grads, parameters, "parameter grad", mesh, kind, opts)
-    _apply(measured.leaves.shards, max_norm, measured.total, eps, nonfinite, kind.p, inplace=True)
-    return measured.norms(groups is not None)
-
-
-_PARAMETER_TYPES = frozenset({torch.nn.Parameter, torch.Tensor})
+    return parameters, read_grads
 
 
 def _grad_of(p: Any) -> torch.Tensor | None:

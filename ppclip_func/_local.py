@@ -142,6 +142,63 @@ def _levels(tensors: list[torch.Tensor], groups: list[int], n_groups: int) -> li
     return levels
 
 
+def leaf_statistics(tensors: list[torch.Tensor], kind: NormKind, *, overflow_safe: bool = False) -> torch.Tensor:
+    """Returns one float64 statistic per leaf (``kind.identity`` for an empty one), unweighted.
+
+    The per-parameter norms' counterpart of the bucketed path: each leaf keeps
+    its own statistic, with the same precision. Leaves that torch's foreach
+    kernel reduces accurately (see :func:`_traced`: small ones, ``±inf`` up
+    to ``BLOCK`` elements, counts) share one ``_foreach_norm`` call per dtype;
+    every other leaf is one :func:`bucket_statistic` of its own.
+    """
+    n = len(tensors)
+    batched: dict[torch.dtype, list[int]] = defaultdict(list)
+    alone: list[int] = []
+    empty: list[int] = []
+    for i, t in enumerate(tensors):
+        size = t.numel()
+        if size == 0:
+            empty.append(i)
+        elif size <= _foreach_limit(t.dtype, kind, overflow_safe):
+            batched[t.dtype].append(i)
+        else:
+            alone.append(i)
+    order: list[int] = []
+    parts: list[torch.Tensor] = []
+    for dtype, idx in batched.items():
+        acc = _acc_dtype(dtype, overflow_safe) if kind.op == "sum" else dtype
+        norms = torch._foreach_norm([tensors[i] for i in idx], kind.p, dtype=None if acc == dtype else acc)
+        parts.append(kind.power(torch.stack(norms).to(STAT_DTYPE)))
+        order.extend(idx)
+    if alone:
+        parts.append(torch.stack([bucket_statistic([tensors[i]], kind, overflow_safe=overflow_safe) for i in alone]))
+        order.extend(alone)
+    if empty:
+        parts.append(torch.full((len(empty),), kind.identity, dtype=STAT_DTYPE, device=tensors[empty[0]].device))
+        order.extend(empty)
+    if not parts:
+        return torch.zeros(0, dtype=STAT_DTYPE)
+    stats = parts[0] if len(parts) == 1 else torch.cat(parts)
+    if order == list(range(n)):
+        return stats
+    # Back to leaf order: position order[k] holds stats[k].
+    inverse = [0] * n
+    for k, i in enumerate(order):
+        inverse[i] = k
+    return stats[torch.tensor(inverse, device=stats.device)]
+
+
+def _foreach_limit(dtype: torch.dtype, kind: NormKind, overflow_safe: bool) -> int:
+    """The largest leaf whose statistic one ``_foreach_norm`` call gives within our precision."""
+    if kind.op != "sum":
+        return BLOCK  # max and min are exact in any order
+    if kind.p == 0.0:
+        return COUNT_WHOLE
+    if kind.p == 2.0:
+        return WHOLE if dtype == _acc_dtype(dtype, overflow_safe) else ROW
+    return 0
+
+
 def bucket_statistic(tensors: list[torch.Tensor], kind: NormKind, *, overflow_safe: bool = False) -> torch.Tensor:
     """Returns the 0-dim float64 statistic of all elements of ``tensors`` together (none empty).
 

@@ -18,8 +18,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ._layout import World, count_copies, pipeline_dims, resolve_world
-from ._local import local_statistics
-from ._norms import NormKind
+from ._local import STAT_DTYPE, leaf_statistics, local_statistics
+from ._norms import ABSENT, HAS_ELEMENT, HAS_LEAF, NormKind
+from ._params import ParamIndex, leaf_slots
 from ._paths import GroupSpec, TiedSpec, check_groups, check_tied, group_index, tied_stages
 from ._reduce import all_reduce_statistics, mesh_device, reduce_partial, release_peers
 from ._tree import Leaves, flatten_grads
@@ -40,15 +41,17 @@ class NormOptions:
     tied: TiedSpec | None = None
     partial: str = "error"
     overflow_safe: bool = False
+    params: ParamIndex | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Measured:
-    """A measured norm: the leaves it read, the total and each group's norm."""
+    """A measured norm: the leaves it read, the total, each group's norm and each parameter's (if asked)."""
 
     leaves: Leaves
     total: torch.Tensor
     per_group: dict[str, torch.Tensor]
+    per_param: torch.Tensor | None = None
 
     def norms(self, with_groups: bool) -> torch.Tensor | tuple[torch.Tensor, GroupNorms]:
         """Returns the public result: the total, and the groups' norms if asked for."""
@@ -83,19 +86,25 @@ def measure(
         leaves = flatten_grads(read_grads(), what)
         world, stats, labels = _local_part(leaves, mesh, kind, opts)
     except Exception:
-        release_peers(mesh, given, kind, opts.pp_dim, _n_groups(opts.groups))
+        release_peers(mesh, given, kind, opts.pp_dim, _n_entries(opts))
         raise
-    per_group, total = kind.decode(all_reduce_statistics(stats, kind, world), per_group=bool(labels))
+    n = len(labels) + 1
+    per_entry, total = kind.decode(
+        all_reduce_statistics(stats, kind, world), per_group=bool(labels) or opts.params is not None, n_total=n
+    )
     dtype = _norm_dtype()
-    groups = {label: per_group[i].to(dtype) for i, label in enumerate(labels)} if per_group is not None else {}
-    return Measured(leaves, total.to(dtype), groups)
+    groups = {label: per_entry[i].to(dtype) for i, label in enumerate(labels)} if labels else {}
+    per_param = per_entry[n:].to(dtype) if opts.params is not None else None
+    return Measured(leaves, total.to(dtype), groups, per_param)
 
 
-def _n_groups(groups: GroupSpec | None) -> int:
+def _n_entries(opts: NormOptions) -> int:
+    """Length of the statistics vector's first half: groups, the leaves in none, parameters."""
+    params = len(opts.params.names) if isinstance(opts.params, ParamIndex) else 0
     try:
-        return len(check_groups(groups)) + 1
+        return len(check_groups(opts.groups)) + 1 + params
     except (TypeError, ValueError):
-        return 1  # every rank raises the same error before any collective
+        return 1 + params  # every rank raises the same error before any collective
 
 
 def _local_part(
@@ -106,6 +115,8 @@ def _local_part(
         raise TypeError(f"mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
     if opts.partial not in PARTIAL_POLICIES:
         raise ValueError(f"partial must be one of {PARTIAL_POLICIES}, got {opts.partial!r}")
+    if opts.params is not None and not isinstance(opts.params, ParamIndex):
+        raise TypeError(f"param_norms must be a ParamIndex from param_norm_index(), got {type(opts.params).__name__}")
     labels = check_groups(opts.groups)
     check_tied(opts.tied)
     pp = pipeline_dims(mesh, opts.pp_dim)
@@ -132,8 +143,48 @@ def _local_part(
     n = len(labels) + 1
     group_of = [group_index(name, opts.groups) for name in names] if opts.groups else [0] * len(tensors)
     device = shards[0].device if shards else mesh_device(world.mesh)
-    stats = local_statistics(shards, weights, group_of, n, kind, device, overflow_safe=opts.overflow_safe)
+    if opts.params is not None:
+        slots = leaf_slots(opts.params, leaves.index, len(leaves.flat), leaves.paths)
+        stats = _with_param_entries(shards, weights, group_of, n, slots, len(opts.params.names), kind, device, opts)
+    else:
+        stats = local_statistics(shards, weights, group_of, n, kind, device, overflow_safe=opts.overflow_safe)
     return world, stats, labels
+
+
+def _with_param_entries(
+    shards: list[torch.Tensor],
+    weights: list[float],
+    group_of: list[int],
+    n_groups: int,
+    slots: list[int],
+    n_params: int,
+    kind: NormKind,
+    device: torch.device,
+    opts: NormOptions,
+) -> torch.Tensor:
+    """This rank's encoded statistics with one more entry per parameter of the whole model.
+
+    Every leaf's statistic is taken once (:func:`leaf_statistics`) and goes
+    both to its group's entry and to its parameter's: the groups' entries
+    are combined from the per-leaf ones, so no gradient is read twice.
+    Entries of parameters held by other stages keep the combine's identity.
+    """
+    per_leaf = leaf_statistics(shards, kind, overflow_safe=opts.overflow_safe)
+    if kind.op == "sum":
+        per_leaf = per_leaf * torch.tensor(weights, dtype=STAT_DTYPE).to(per_leaf.device)
+    index = torch.tensor(group_of + [n_groups + s for s in slots], dtype=torch.int64).to(per_leaf.device)
+    entries = torch.full((n_groups + n_params,), kind.identity, dtype=STAT_DTYPE, device=per_leaf.device)
+    source = torch.cat([per_leaf, per_leaf])
+    if kind.op == "sum":
+        entries = entries.index_add(0, index, source)
+    else:
+        entries = entries.scatter_reduce(0, index, source, "amax" if kind.op == "max" else "amin")
+    levels = [ABSENT] * (n_groups + n_params)
+    for t, g, s in zip(shards, group_of, slots):
+        level = HAS_ELEMENT if t.numel() > 0 else HAS_LEAF
+        levels[g] = max(levels[g], level)
+        levels[n_groups + s] = max(levels[n_groups + s], level)
+    return kind.encode(entries.to(device), torch.tensor(levels, dtype=STAT_DTYPE, device=device))
 
 
 def _for_leaf(leaves: Leaves, i: int, fn: Any, *args: Any) -> Any:

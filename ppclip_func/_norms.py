@@ -100,31 +100,37 @@ class NormKind:
         nan = torch.full((n_groups,), math.nan, dtype=torch.float64, device=device)
         return self.encode(nan, torch.full_like(nan, HAS_NAN))
 
-    def decode(self, reduced: torch.Tensor, per_group: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Returns ``(per-group norms, total norm)`` from the all-reduced vector, in float64.
+    def decode(
+        self, reduced: torch.Tensor, per_group: bool = True, n_total: int | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Returns ``(per-entry norms, total norm)`` from the all-reduced vector, in float64.
 
-        The total covers every group. A group that no rank holds a leaf of
-        gets NaN; a NaN on any rank makes its group's norm and the total NaN.
-        With ``per_group=False`` the first is ``None`` and a sum-type total
-        costs two ops (the eager clip of many small leaves feels each one).
+        The total covers the first ``n_total`` entries (default: all), the
+        groups; entries after them (per-parameter ones) are norms of their
+        own, not part of the total. An entry that no rank holds a leaf of
+        gets NaN; a NaN on any rank makes its entry's norm and, within the
+        first ``n_total``, the total NaN. With ``per_group=False`` the first
+        is ``None`` and a sum-type total costs two ops (the eager clip of
+        many small leaves feels each one).
         """
         n = reduced.numel() // 2
+        k = n if n_total is None else n_total
         if self.op == "sum" and not per_group:
-            return None, self.root(reduced[0] if n == 1 else reduced[:n].sum())
+            return None, self.root(reduced[0] if k == 1 else reduced[:k].sum())
         stats, levels = reduced[:n], reduced[n:].abs()
         nan = torch.full_like(stats, math.nan)
         if self.op == "sum":  # sums carry NaN by themselves; a level sum > 0 means some rank had a leaf
             per_group = torch.where(levels > 0, self.root(stats), nan)
-            return per_group, self.root(stats.sum())
+            return per_group, self.root(stats[:k].sum())
         seen_nan = levels >= HAS_NAN
         if self.op == "max":
-            values, total = stats, stats.amax()
+            values, total = stats, stats[:k].amax()
         else:  # the -inf norm of no element is 0, as for an empty tensor
             has_element = levels >= HAS_ELEMENT
             values = torch.where(has_element, stats, 0.0)
-            total = torch.where(has_element.any(), stats.amin(), 0.0)
+            total = torch.where(has_element[:k].any(), stats[:k].amin(), 0.0)
         per_group = torch.where(seen_nan, nan, torch.where(levels >= HAS_LEAF, values, nan))
-        return per_group, torch.where(seen_nan.any(), math.nan, total)
+        return per_group, torch.where(seen_nan[:k].any(), math.nan, total)
 
 
 def norm_kind(norm_type: float) -> NormKind:

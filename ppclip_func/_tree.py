@@ -63,8 +63,12 @@ class Leaves:
         nested containers, the keys on the way (``blocks.0.w``). ``groups``
         and ``tied`` patterns match these.
         """
-        every = [".".join(_key_name(k) for k in path) for path, _ in pytree.tree_flatten_with_path(self.tree)[0]]
+        every = self.all_names()
         return [every[i] for i in self.index]
+
+    def all_names(self) -> list[str]:
+        """Returns the dotted name of every leaf of ``flat``, ``None`` leaves included."""
+        return [".".join(_key_name(k) for k in path) for path, _ in pytree.tree_flatten_with_path(self.tree)[0]]
 
     def unflatten(self, new_tensors: list[torch.Tensor]) -> Any:
         """Returns the tree with each tensor leaf replaced by ``new_tensors[i]``."""

@@ -22,7 +22,7 @@ from bench import _allocator
 from tests._processes import python, run_bounded
 
 TIMEOUT_S = 420
-STUDIES = ("bandwidth", "leaves", "distributed", "ranks")
+STUDIES = ("bandwidth", "leaves", "distributed", "ranks", "features")
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="tests/_processes.py reads /proc")
 
@@ -174,6 +174,20 @@ def test_ranks_schema(results: pathlib.Path):
         _positive_numbers(p["growth_vs_smallest"], f"{p['world']} ranks growth")
         assert p["mesh_create_ms"] > 0
     assert points[0]["growth_vs_smallest"] == {"ours_eager": 1.0, "torch_eager": 1.0}
+
+
+def test_features_schema(results: pathlib.Path):
+    data = _load(results, "features")
+    settings = {s["setting"]: s for s in data["settings"]}
+    assert set(settings) == {"gpt2", "100_leaves"}
+    for name, s in settings.items():
+        assert set(s["eager_ms"]) == {"plain", "adaptive", "adaptive_skip", "param_norms"}
+        _positive_numbers(s["eager_ms"], f"{name} eager_ms")
+        _positive_numbers(s["eager_ratio_vs_plain"], f"{name} eager ratios")
+        _positive_numbers(s["optimizer_ms"], f"{name} optimizer_ms")
+        assert s["skippable_over_adamw"] > 0
+    _positive_numbers(settings["gpt2"]["compiled_ms"], "gpt2 compiled_ms")
+    assert "### 7. Cost of the features" in (results / "summary.md").read_text()
 
 
 def test_summary_has_the_goal_table(results: pathlib.Path):

@@ -191,3 +191,19 @@ def test_a_first_call_under_inference_mode_leaves_a_scratch_usable_outside_it():
 
     for got in fresh_thread(both):
         assert_close_rel(got, expected, REL)
+
+
+@pytest.mark.parametrize("norm_type", NORM_TYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_per_parameter_norms_of_every_leaf_shape_are_within_1e6_of_float64(dtype, norm_type):
+    from ppclip_func import adaptive_clip_grad_norm, init_clip_state, param_norm_index
+
+    named = {f"{name}.{i}": t for name, leaves in catalogue(dtype).items() for i, t in enumerate(leaves)}
+    index = param_norm_index(named, None)
+    _, stats = adaptive_clip_grad_norm(named, None, init_clip_state(), norm_type, param_norms=index)
+    for name, norm in index.named(stats.param_norms).items():
+        try:
+            _expect_close(norm, [named[name]], norm_type)
+        except AssertionError as e:
+            raise AssertionError(f"{name}: {e}") from None
+    _expect_close(stats.total_norm, list(named.values()), norm_type)

@@ -8,7 +8,6 @@ clip on every rank, which would hang had the ranks fallen out of step.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import pytest
@@ -17,8 +16,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from demo.harness import run_cases
 from ppclip_func import _measure, clip_grad_norm, clip_grad_norm_, global_grad_norm
+from tests._cases import real_rank_test
 from tests._collectives import norm_bits
 from tests._gather import gather_objects
 from tests._reference import assert_close_rel, reference_norm
@@ -252,17 +251,4 @@ CASES = [
 ]
 
 
-@functools.cache
-def _run() -> dict[str, dict[int, str]] | str:
-    try:
-        return run_cases(CASES, WORLD, timeout=120 + 60 * len(CASES), case_timeout=30)
-    except AssertionError as e:
-        return f"the {WORLD}-rank run stopped early:\n{e}"
-
-
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__)
-def test_on_real_ranks(case) -> None:
-    run = _run()
-    assert not isinstance(run, str), run
-    failures = run[case.__name__]
-    assert not failures, "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
+test_on_real_ranks = real_rank_test(CASES, WORLD)

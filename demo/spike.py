@@ -1,0 +1,197 @@
+"""A gradient spike on the 8-rank PP × FSDP2 × TP model: a fixed threshold, an adaptive one, and skipping.
+
+Run on 8 CPU ranks (gloo); ``make demo-spike`` does exactly this::
+
+    python -m demo.spike
+
+The model, mesh and data of ``python -m demo`` (:mod:`demo.run`), trained
+three times from the same seed on the same batches, with the optimizer step
+(clip + AdamW) run eagerly. At one step (``--spike-step``) the loss of the
+whole batch is multiplied by ``--spike-scale`` (1000), so that step's
+gradient is 1000 times larger. The three runs differ only in the clip:
+
+* ``fixed``: ``clip_grad_norm_`` at ``--max-norm``;
+* ``adaptive``: ``adaptive_clip_grad_norm_`` (ZClip-style: ``--max-norm``
+  during a warm-up, then ``mean + z * std`` of the norms so far);
+* ``skip``: the same, with ``skip_z``: a step whose norm is that many
+  standard deviations above the mean is not applied at all
+  (``skip_update_`` around AdamW: parameters and optimizer state unchanged).
+
+Rank 0 prints the losses side by side, the norm, each run's threshold and
+skip decision, and, at the spike, the parameters whose gradient norm grew
+the most (per-parameter norms of the whole model, from the clip's one
+collective).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from demo.harness import RanksFailed, run_ranks
+from demo.model import ModelConfig, build_model, loss_fn, split_stage, token_batches
+from demo.optim import AdamWConfig, FunctionalAdamW
+from demo.parallel import Pipeline, apply_fsdp, apply_tp
+from demo.run import BETAS, N_HEADS, WEIGHT_DECAY, _quiet
+
+__all__ = ["main"]
+
+MODES = ("fixed", "adaptive", "skip")
+
+
+def _train(mode: str, args: argparse.Namespace, cfg: ModelConfig, data: list, mesh, say) -> list[dict]:
+    """One training run on this rank; returns per-step records (meaningful on rank 0)."""
+    from ppclip_func import adaptive_clip_grad_norm_, clip_grad_norm_, init_clip_state, param_norm_index, skip_update_
+
+    pp_rank, dp_rank, _ = mesh.get_coordinate()
+    model = split_stage(build_model(cfg, args.seed), pp_rank, args.pp)
+    apply_tp(model, mesh["tp"])
+    apply_fsdp(model, mesh["dp"])
+    named = dict(model.named_parameters())
+    params = list(named.values())
+    adam = FunctionalAdamW(params, AdamWConfig(lr=args.lr, betas=BETAS, weight_decay=WEIGHT_DECAY))
+    scale = [1.0]
+    pipeline = Pipeline(
+        [model], [pp_rank], args.pp, mesh["pp"], n_microbatches=args.microbatches,
+        loss=lambda logits, targets: loss_fn(logits, targets) * scale[0],
+    )  # fmt: skip
+    index = param_norm_index(named, mesh)  # once: the names of every stage's parameters
+    state = init_clip_state()
+    per_dp = args.batch // args.dp
+    records = []
+    for step, (inputs, targets) in enumerate(data):
+        scale[0] = args.spike_scale if step + 1 == args.spike_step else 1.0
+        x, y = (t[dp_rank * per_dp : (dp_rank + 1) * per_dp] for t in (inputs, targets))
+        losses: list[torch.Tensor] = []
+        pipeline.step(x, y, losses)
+        with torch.no_grad():
+            if mode == "fixed":
+                norm = clip_grad_norm_(params, mesh, args.max_norm)
+                threshold, skip, param_norms = torch.tensor(args.max_norm), torch.tensor(False), None
+                adam.step()
+            else:
+                stats = adaptive_clip_grad_norm_(
+                    named, mesh, state, max_norm=args.max_norm, warmup=args.warmup,
+                    skip_z=args.skip_z if mode == "skip" else None, param_norms=index,
+                )  # fmt: skip
+                norm, threshold, skip, param_norms, state = (
+                    stats.total_norm, stats.threshold, stats.skip, stats.param_norms, stats.state,
+                )  # fmt: skip
+                if mode == "skip":
+                    optimizer_state = [*params, *adam.exp_avgs, *adam.exp_avg_sqs, *adam.steps]
+                    skip_update_(skip, optimizer_state, adam.step)
+                else:
+                    adam.step()
+        for p in params:
+            p.grad = None
+        # The loss lives on the last stage (unscaled, to compare runs); one small all-reduce to print it.
+        loss = torch.zeros((), dtype=torch.float64)
+        if pipeline.last:
+            loss += torch.stack(losses).detach().mean().double() / scale[0] / (args.dp * args.tp)
+        torch.distributed.all_reduce(loss)
+        records.append(
+            {
+                "loss": float(loss),
+                "norm": float(norm),
+                "threshold": float(threshold),
+                "skip": bool(skip),
+                "param_norms": None if param_norms is None else dict(zip(index.names, param_norms.tolist())),
+            }
+        )
+        if step + 1 == args.spike_step:
+            say(f"  {mode}: spike at step {step + 1}: norm {float(norm):.1f}, threshold {float(threshold):.3f}")
+    return records
+
+
+def _rank(rank: int, world: int, args: argparse.Namespace, cfg: ModelConfig, data: list, t0: float) -> dict | None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _quiet()
+    say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+    mesh = init_device_mesh("cpu", (args.pp, args.dp, args.tp), mesh_dim_names=("pp", "dp", "tp"))
+    say(
+        f"mesh (pp, dp, tp) = ({args.pp}, {args.dp}, {args.tp}) on {world} gloo ranks, up after {time.monotonic() - t0:.0f} s"
+    )
+    runs = {}
+    for mode in MODES:
+        start = time.monotonic()
+        say(f"training with the {mode} clip ({args.steps} steps, eager optimizer step) ...")
+        runs[mode] = _train(mode, args, cfg, data, mesh, say)
+        say(f"  done in {time.monotonic() - start:.0f} s")
+    return runs if rank == 0 else None
+
+
+def _report(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
+    print(f"\nloss per step; the loss of step {args.spike_step} is scaled by {args.spike_scale:g} (its gradient too)")
+    print(
+        f"{'step':>4}  {'norm':>9}  {'loss fixed':>10}  {'loss adaptive':>13}  {'loss skip':>9}  "
+        f"{'thr fixed':>9}  {'thr adaptive':>12}  {'skipped':>7}"
+    )
+    fixed, adaptive, skip = (runs[m] for m in MODES)
+    for i, (f, a, s) in enumerate(zip(fixed, adaptive, skip)):
+        mark = "  <- spike" if i + 1 == args.spike_step else ""
+        print(
+            f"{i + 1:4d}  {f['norm']:9.3f}  {f['loss']:10.4f}  {a['loss']:13.4f}  {s['loss']:9.4f}  "
+            f"{f['threshold']:9.3f}  {a['threshold']:12.3f}  {'yes' if s['skip'] else '':>7}{mark}"
+        )
+    after = slice(args.spike_step, None)
+    for mode in MODES:
+        tail = [r["loss"] for r in runs[mode][after]]
+        if tail:
+            print(f"{mode:>8}: mean loss after the spike {sum(tail) / len(tail):.4f}, last {tail[-1]:.4f}")
+    at, before = adaptive[args.spike_step - 1]["param_norms"], adaptive[args.spike_step - 2]["param_norms"]
+    if at and before:
+        growth = sorted(((at[k] / before[k], k) for k in at if before[k] > 0), reverse=True)[:3]
+        shown = ", ".join(f"{k} x{g:.0f}" for g, k in growth)
+        print(
+            f"per-parameter norms (all {len(at)} parameters, every stage, on every rank): largest growth at the spike: {shown}"
+        )
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m demo.spike", description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--spike-step", type=int, default=15, help="the step whose loss is scaled (default 15)")
+    parser.add_argument("--spike-scale", type=float, default=1000.0)
+    parser.add_argument("--max-norm", type=float, default=1.0, help="fixed threshold, and adaptive warm-up (default 1)")
+    parser.add_argument("--warmup", type=int, default=8, help="adaptive warm-up steps (default 8)")
+    parser.add_argument(
+        "--skip-z", type=float, default=6.0, help="skip a step this many std above the mean (default 6)"
+    )
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=900)
+    args = parser.parse_args(argv)
+    # The model and mesh of `python -m demo`'s defaults.
+    vars(args).update(pp=2, dp=2, tp=2, layers=2, dim=64, seq_len=32, batch=8, microbatches=4)
+    if not args.warmup < args.spike_step <= args.steps:
+        parser.error("--spike-step must come after the warm-up and within --steps")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the demonstration; returns the exit status (non-zero if a rank failed)."""
+    t0 = time.monotonic()
+    args = _parse(argv)
+    world = args.pp * args.dp * args.tp
+    print(f"starting {world} gloo ranks on this machine ...", flush=True)
+    cfg = ModelConfig(dim=args.dim, n_heads=N_HEADS, n_layers=args.layers, hidden=2 * args.dim, seq_len=args.seq_len)
+    data = token_batches(cfg, args.batch, args.steps, args.seed)
+    try:
+        runs = run_ranks(
+            _rank, world, args, cfg, data, t0, timeout=args.timeout, start_method="forkserver",
+            preload=("ppclip_func", "demo.model", "demo.parallel", "demo.optim"),
+        )[0]  # fmt: skip
+    except RanksFailed as e:
+        print(f"the distributed run failed:\n{e}", file=sys.stderr)
+        return 1
+    _report(args, runs)
+    print(f"done in {time.monotonic() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
