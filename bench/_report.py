@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import pathlib
+from collections.abc import Callable
 
 __all__ = ["RESULTS", "plot_compile", "plot_ms", "summary", "write_result"]
 
@@ -272,16 +274,16 @@ def _features_table(ft: dict) -> list[str]:
         + " | ".join(f"{v} eager" for v in variants)
         + " | "
         + " | ".join(f"{v} compiled" for v in variants)
-        + " | skip_update_ over AdamW step |",
-        "|---|---|---|" + "---|" * (2 * len(variants)) + "---|",
+        + " | skip_update_ over AdamW step, eager | compiled |",
+        "|---|---|---|" + "---|" * (2 * len(variants)) + "---|---|",
     ]
     for s in ft.get("settings", []):
         eager = " | ".join(_x(s["eager_ratio_vs_plain"][v]) for v in variants)
         comp = s.get("compiled_ratio_vs_plain")
-        compiled = " | ".join(_x(comp[v]) if comp else "—" for v in variants)
+        compiled = " | ".join(_x(comp.get(v)) if comp else "—" for v in variants)
         lines.append(
             f"| {s['setting']} | {s['leaves']:,} | {_ms(s['eager_ms']['plain'])} | {eager} | {compiled} "
-            f"| {_x(s['skippable_over_adamw'])} |"
+            f"| {_x(s['skippable_over_adamw'])} | {_x(s.get('skippable_over_adamw_compiled'))} |"
         )
     return lines
 
@@ -342,9 +344,7 @@ def plot_compile(result: dict, path: pathlib.Path) -> None:
     ax.set_ylabel("compile seconds (lower is better)")
     ax.set_title("torch.compile(fullgraph=True) of the clip")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_ms(result: dict, path: pathlib.Path) -> None:
@@ -357,6 +357,20 @@ def plot_ms(result: dict, path: pathlib.Path) -> None:
     ax.set_xticks(range(len(ms)), [k.replace("_", "\n") for k in ms], fontsize=8)
     ax.set_ylabel("median ms (lower is better)")
     ax.set_title(f"{result.get('study', '')} study")
+    save_figure(fig, path)
+
+
+def save_figure(fig, path: pathlib.Path) -> None:
+    """Lays out ``fig``, writes it to ``path`` as a PNG and closes it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def quick_cli(doc: str | None, run: Callable[..., dict]) -> dict:
+    """Runs a study from its own command line (``python -m bench.<name>_study [--quick]``); returns its result."""
+    parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, few rounds")
+    return run(quick=parser.parse_args().quick)

@@ -49,7 +49,7 @@ from collections.abc import Callable
 
 import torch
 
-from bench import _allocator
+from bench import _allocator, _report
 from bench._report import write_result
 from bench._shapes import gpt_shapes, make_grads, make_params, numel
 from bench._timing import Timings, interleaved, machine
@@ -257,9 +257,7 @@ def plot(result: dict, path: pathlib.Path) -> None:
     m = result["model"]
     ax.set_title(f"Clip of {m['params'] / 1e6:.1f} M params in {m['leaves']} leaves, 1 process")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _report.save_figure(fig, path)
 
 
 def print_result(result: dict) -> None:

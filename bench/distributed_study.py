@@ -59,7 +59,6 @@ Norm types 2 and inf agree. For 1, torchtitan's fp32 sums are 0.6e-5 to
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -72,7 +71,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from bench import _torchtitan
+from bench import _report, _torchtitan
 from bench._dist import count_collectives, spawn
 from bench._timing import Timings, interleaved, machine
 
@@ -409,15 +408,11 @@ def plot(result: dict, path: pathlib.Path) -> None:
     baseline = "torchtitan" if result["baseline"].startswith("torchtitan") else "torchtitan-style (written here)"
     ax.set_title(f"Clip on gloo ranks: ours vs {baseline} (number on bar: collectives per clip)", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _report.save_figure(fig, path)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    r = run(quick=parser.parse_args().quick)
+    r = _report.quick_cli(__doc__, run)
     print(f"baseline: {r['baseline']}")
     for w in r["worlds"]:
         print(f"{w['world']} ranks, {w['case']} {w['mesh']}: speed-up {w['speedup_ours_over_baseline']}")

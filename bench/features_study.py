@@ -12,26 +12,30 @@ interleaved (``bench/_timing.py``), fp32 grads:
 
 and, for skipping, the optimizer step it wraps: torch's functional AdamW
 (``adamw_step``) against ``skip_update_(skip, params + state, adamw_step)``
-(``adamw_skippable``: a copy of parameters and state, and a select).
+(``adamw_skippable``: a copy of parameters and state, and a select), eager
+and (GPT-2 shapes) compiled.
 
 Settings: the bandwidth study's GPT-2 shapes (148 leaves, 203.7 M elements;
 ``--quick``: a small GPT-2), and 1000 and 10 000 leaves of 4096 elements.
-Eager everywhere; compiled (inductor, ``fullgraph``) in the GPT-2 setting,
-where compile time stays in minutes (a 1000-leaf inductor compile takes
-about 5 minutes here per variant: study 4).
+Eager everywhere; compiled (inductor, ``fullgraph``) in the GPT-2 setting
+and, for the plain clip, the skip decision and per-parameter norms, at 1000
+leaves (an inductor compile of a 1000-leaf clip takes about 150 s here per
+variant: study 4); not at 10 000 leaves, where it would take hours.
 
     python -m bench.features_study [--quick]
+    python -m bench.features_study --compiled-leaves-only 1000   # add them to an existing features.json
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
+import sys
 
 import torch
 from torch.optim.adamw import adamw
 
+from bench import _report
 from bench._shapes import gpt_shapes, make_grads, make_params, numel
 from bench._timing import interleaved, machine
 from ppclip_func import adaptive_clip_grad_norm_, clip_grad_norm_, init_clip_state, param_norm_index, skip_update_
@@ -43,6 +47,9 @@ FULL = {
     "leaves": [1000, 10000],
     "runs": 9,
     "backend": "inductor",
+    # Compiled at 1000 leaves too (an inductor compile of a 1000-leaf clip takes ~150 s here, per
+    # variant: three variants, not four). 10 000 leaves compiled would take hours: not measured.
+    "compiled_leaves": [1000],
 }
 QUICK = {
     "gpt": {"dim": 64, "layers": 2, "vocab": 2048, "context": 256},
@@ -74,10 +81,11 @@ def _clip_variants(named: dict[str, torch.nn.Parameter], backend: str | None) ->
     return fns
 
 
-def _optimizer_variants(params: list[torch.nn.Parameter]) -> dict:
+def _optimizer_variants(params: list[torch.nn.Parameter], backend: str | None) -> dict:
     exp_avgs = [torch.zeros_like(p) for p in params]
     exp_avg_sqs = [torch.zeros_like(p) for p in params]
-    steps = [torch.zeros(()) for _ in params]
+    # Compiled, AdamW runs capturable (step counts stay tensors); float64 counts, as demo/optim.py explains.
+    steps = [torch.zeros((), dtype=torch.float64) for _ in params]
     skip = torch.tensor(False)
 
     def adamw_step() -> None:
@@ -85,13 +93,30 @@ def _optimizer_variants(params: list[torch.nn.Parameter]) -> dict:
             adamw(
                 params, [p.grad for p in params], exp_avgs, exp_avg_sqs, [], steps, foreach=True, amsgrad=False,
                 beta1=0.9, beta2=0.95, lr=1e-12, weight_decay=0.0, eps=1e-8, maximize=False,
+                capturable=torch.compiler.is_compiling(),
             )  # fmt: skip
 
     def adamw_skippable() -> None:
-        with torch.no_grad():
-            skip_update_(skip, [*params, *exp_avgs, *exp_avg_sqs, *steps], adamw_step)
+        skip_update_(skip, [*params, *exp_avgs, *exp_avg_sqs, *steps], adamw_step)
 
-    return {"adamw_step": adamw_step, "adamw_skippable": adamw_skippable}
+    fns = {"adamw_step": adamw_step, "adamw_skippable": adamw_skippable}
+    if backend is not None:
+        fns = {k: torch.compile(f, backend=backend, fullgraph=True) for k, f in fns.items()}
+    return fns
+
+
+COMPILED_AT_SCALE = ("plain", "adaptive_skip", "param_norms")
+
+
+def _compiled_at_scale(setting: dict, n: int, runs: int, backend: str) -> None:
+    """Adds the compiled clip variants (those of ``COMPILED_AT_SCALE``) to a leaf-count setting."""
+    named = dict(zip((f"layers.{i}.w" for i in range(n)), make_params(make_grads([(LEAF,)] * n, torch.float32))))
+    fns = {k: f for k, f in _clip_variants(named, backend).items() if k in COMPILED_AT_SCALE}
+    comp = interleaved(fns, runs=runs, warmup=2)
+    setting["compiled_ms"] = comp.all_ms()
+    setting["compiled_ratio_vs_plain"] = {v: comp.ratio(v, "plain") for v in COMPILED_AT_SCALE}
+    setting["compiled_first_call_s"] = dict(comp.first)
+    print(f"[bench] features: {n} leaves compiled x plain {setting['compiled_ratio_vs_plain']}", flush=True)
 
 
 def _setting(name: str, shapes: list[tuple[str, tuple[int, ...]]], runs: int, backend: str | None) -> dict:
@@ -114,9 +139,13 @@ def _setting(name: str, shapes: list[tuple[str, tuple[int, ...]]], runs: int, ba
         out["compiled_ms"] = comp.all_ms()
         out["compiled_ratio_vs_plain"] = {v: comp.ratio(v, "plain") for v in CLIP_VARIANTS}
         out["compiled_first_call_s"] = {k: v for k, v in comp.first.items()}
-    opt = interleaved(_optimizer_variants(params), runs=runs, warmup=1)
+    opt = interleaved(_optimizer_variants(params, None), runs=runs, warmup=1)
     out["optimizer_ms"] = opt.all_ms()
     out["skippable_over_adamw"] = opt.ratio("adamw_skippable", "adamw_step")
+    if backend is not None:
+        opt = interleaved(_optimizer_variants(params, backend), runs=runs, warmup=1)
+        out["optimizer_compiled_ms"] = opt.all_ms()
+        out["skippable_over_adamw_compiled"] = opt.ratio("adamw_skippable", "adamw_step")
     print(f"[bench] features: {name}: eager x plain {out['eager_ratio_vs_plain']}", flush=True)
     return out
 
@@ -128,6 +157,8 @@ def run(quick: bool = False, out: pathlib.Path | None = None) -> dict:
     for n in cfg["leaves"]:
         shapes = [(f"layers.{i}.w", (LEAF,)) for i in range(n)]
         settings.append(_setting(f"{n}_leaves", shapes, cfg["runs"], None))
+        if n in cfg.get("compiled_leaves", ()):
+            _compiled_at_scale(settings[-1], n, cfg["runs"], cfg["backend"])
     result = {
         "study": NAME,
         "quick": quick,
@@ -151,23 +182,38 @@ def plot(result: dict, path: pathlib.Path) -> None:
     width = 0.8 / len(CLIP_VARIANTS[1:]) / 2
     for j, v in enumerate(CLIP_VARIANTS[1:]):
         for k, mode in enumerate(("eager", "compiled")):
-            xs = [i + (2 * j + k) * width for i, s in enumerate(settings) if f"{mode}_ratio_vs_plain" in s]
-            ys = [s[f"{mode}_ratio_vs_plain"][v] for s in settings if f"{mode}_ratio_vs_plain" in s]
+            have = [
+                (i, s[f"{mode}_ratio_vs_plain"][v])
+                for i, s in enumerate(settings)
+                if v in s.get(f"{mode}_ratio_vs_plain", {})
+            ]
+            xs = [i + (2 * j + k) * width for i, _ in have]
+            ys = [y for _, y in have]
             ax.bar(xs, ys, width, label=f"{v} ({mode})", alpha=1.0 if mode == "eager" else 0.55)
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(settings))], [s["setting"] for s in settings])
     ax.set_ylabel("time / plain clip's (lower is better)")
     ax.set_title("Cost of each feature over the plain in-place clip (fp32)", fontsize=10)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _report.save_figure(fig, path)
+
+
+def compiled_at_scale_only(n: int, out: pathlib.Path | None = None) -> dict:
+    """Adds the compiled variants at ``n`` leaves to an existing ``features.json`` (after a run without them)."""
+    out = out or RESULTS
+    result = json.loads((out / f"{NAME}.json").read_text())
+    setting = next(s for s in result["settings"] if s["setting"] == f"{n}_leaves")
+    _compiled_at_scale(setting, n, FULL["runs"], FULL["backend"])
+    result["config"]["compiled_leaves"] = sorted({*result["config"].get("compiled_leaves", []), n})
+    (out / f"{NAME}.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    r = run(quick=parser.parse_args().quick)
+    if len(sys.argv) == 3 and sys.argv[1] == "--compiled-leaves-only":
+        compiled_at_scale_only(int(sys.argv[2]))
+        return
+    r = _report.quick_cli(__doc__, run)
     for s in r["settings"]:
         print(s["setting"], json.dumps({k: v for k, v in s.items() if "ratio" in k or "over" in k}, indent=1))
 

@@ -27,7 +27,6 @@ inductor: a check that they compile with ``fullgraph=True``, not a measurement.
 
 from __future__ import annotations
 
-import argparse
 import pathlib
 import time
 import traceback
@@ -37,6 +36,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+from bench import _report
 from bench._dist import single_rank_group, torchtitan_clip
 from bench._report import write_result
 from bench._shapes import make_grads, make_params
@@ -174,15 +174,11 @@ def plot(result: dict, path: pathlib.Path) -> None:
         ax.set_title(titles[series])
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _report.save_figure(fig, path)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    r = run(quick=parser.parse_args().quick)
+    r = _report.quick_cli(__doc__, run)
     for series, points in r["series"].items():
         print(series)
         for p in points:

@@ -32,7 +32,6 @@ the time to create the world mesh with ``init_device_mesh`` and slice its
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import logging
@@ -43,6 +42,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from bench import _report
 from bench._timing import interleaved, machine
 from ppclip_func import global_grad_norm
 from tests._fake_pg import fake_world
@@ -159,15 +159,11 @@ def plot(result: dict, path: pathlib.Path) -> None:
     ax.set_title(f"Norm of {result['config']['leaves']} DTensor leaves: host time vs ranks", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _report.save_figure(fig, path)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    r = run(quick=parser.parse_args().quick)
+    r = _report.quick_cli(__doc__, run)
     for p in r["points"]:
         cells = "  ".join(
             f"{v} {p['ms'][v]:.2f} ms (x{p['growth_vs_smallest'][v]:.2f}, first {p['first_call_ms'][v]:.0f})"

@@ -38,6 +38,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -289,26 +290,40 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def model_and_data(args: argparse.Namespace) -> tuple[ModelConfig, list]:
+    """The demo's model config and its token batches, from the parsed options."""
+    cfg = ModelConfig(dim=args.dim, n_heads=N_HEADS, n_layers=args.layers, hidden=2 * args.dim, seq_len=args.seq_len)
+    return cfg, token_batches(cfg, args.batch, args.steps, args.seed)
+
+
+def on_demo_ranks(fn: Callable[..., Any], args: argparse.Namespace, cfg: ModelConfig, data: list, t0: float) -> Any:
+    """Runs ``fn(rank, world, args, cfg, data, t0)`` on ``pp × dp × tp`` gloo ranks; returns rank 0's result.
+
+    Raises:
+        RanksFailed: A rank failed (its traceback is in the message).
+    """
+    world = args.pp * args.dp * args.tp
+    print(f"starting {world} gloo ranks on this machine ...", flush=True)
+    return run_ranks(
+        fn,
+        world,
+        args,
+        cfg,
+        data,
+        t0,
+        timeout=args.timeout,
+        start_method="forkserver",
+        preload=("ppclip_func", "demo.model", "demo.parallel", "demo.optim"),
+    )[0]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the demo; returns the exit status (non-zero if the norms disagree or a rank failed)."""
     t0 = time.monotonic()
     args = _parse(argv)
-    world = args.pp * args.dp * args.tp
-    print(f"starting {world} gloo ranks on this machine ...", flush=True)
-    cfg = ModelConfig(dim=args.dim, n_heads=N_HEADS, n_layers=args.layers, hidden=2 * args.dim, seq_len=args.seq_len)
-    data = token_batches(cfg, args.batch, args.steps, args.seed)
+    cfg, data = model_and_data(args)
     try:
-        logs = run_ranks(
-            _rank,
-            world,
-            args,
-            cfg,
-            data,
-            t0,
-            timeout=args.timeout,
-            start_method="forkserver",
-            preload=("ppclip_func", "demo.model", "demo.parallel", "demo.optim"),
-        )[0]
+        logs = on_demo_ranks(_rank, args, cfg, data, t0)
     except RanksFailed as e:
         print(f"the distributed run failed:\n{e}", file=sys.stderr)
         return 1

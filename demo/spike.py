@@ -8,7 +8,9 @@ The model, mesh and data of ``python -m demo`` (:mod:`demo.run`), trained
 three times from the same seed on the same batches, with the optimizer step
 (clip + AdamW) run eagerly. At one step (``--spike-step``) the loss of the
 whole batch is multiplied by ``--spike-scale`` (1000), so that step's
-gradient is 1000 times larger. The three runs differ only in the clip:
+gradient is 1000 times larger; with ``--spike-kind corrupt`` that batch's
+targets are also replaced by random tokens, so the spike points in a
+direction of its own. The three runs differ only in the clip:
 
 * ``fixed``: ``clip_grad_norm_`` at ``--max-norm``;
 * ``adaptive``: ``adaptive_clip_grad_norm_`` (ZClip-style: ``--max-norm``
@@ -31,11 +33,11 @@ import time
 
 import torch
 
-from demo.harness import RanksFailed, run_ranks
-from demo.model import ModelConfig, build_model, loss_fn, split_stage, token_batches
+from demo.harness import RanksFailed
+from demo.model import ModelConfig, build_model, loss_fn, split_stage
 from demo.optim import AdamWConfig, FunctionalAdamW
 from demo.parallel import Pipeline, apply_fsdp, apply_tp
-from demo.run import BETAS, N_HEADS, WEIGHT_DECAY, _quiet
+from demo.run import BETAS, WEIGHT_DECAY, _quiet, model_and_data, on_demo_ranks
 
 __all__ = ["main"]
 
@@ -125,7 +127,8 @@ def _rank(rank: int, world: int, args: argparse.Namespace, cfg: ModelConfig, dat
 
 
 def _report(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
-    print(f"\nloss per step; the loss of step {args.spike_step} is scaled by {args.spike_scale:g} (its gradient too)")
+    what = "" if args.spike_kind == "scaled" else ", and its targets are random tokens"
+    print(f"\nloss per step; the loss of step {args.spike_step} is multiplied by {args.spike_scale:g}{what}")
     print(
         f"{'step':>4}  {'norm':>9}  {'loss fixed':>10}  {'loss adaptive':>13}  {'loss skip':>9}  "
         f"{'thr fixed':>9}  {'thr adaptive':>12}  {'skipped':>7}"
@@ -156,6 +159,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--spike-step", type=int, default=15, help="the step whose loss is scaled (default 15)")
     parser.add_argument("--spike-scale", type=float, default=1000.0)
+    parser.add_argument(
+        "--spike-kind",
+        choices=("scaled", "corrupt"),
+        default="scaled",
+        help="scaled: a normal batch's loss x spike-scale (default); corrupt: random targets too",
+    )
     parser.add_argument("--max-norm", type=float, default=1.0, help="fixed threshold, and adaptive warm-up (default 1)")
     parser.add_argument("--warmup", type=int, default=8, help="adaptive warm-up steps (default 8)")
     parser.add_argument(
@@ -176,15 +185,13 @@ def main(argv: list[str] | None = None) -> int:
     """Runs the demonstration; returns the exit status (non-zero if a rank failed)."""
     t0 = time.monotonic()
     args = _parse(argv)
-    world = args.pp * args.dp * args.tp
-    print(f"starting {world} gloo ranks on this machine ...", flush=True)
-    cfg = ModelConfig(dim=args.dim, n_heads=N_HEADS, n_layers=args.layers, hidden=2 * args.dim, seq_len=args.seq_len)
-    data = token_batches(cfg, args.batch, args.steps, args.seed)
+    cfg, data = model_and_data(args)
+    if args.spike_kind == "corrupt":
+        inputs, targets = data[args.spike_step - 1]
+        noise = torch.randint(0, cfg.vocab, targets.shape, generator=torch.Generator().manual_seed(args.seed))
+        data[args.spike_step - 1] = (inputs, noise)
     try:
-        runs = run_ranks(
-            _rank, world, args, cfg, data, t0, timeout=args.timeout, start_method="forkserver",
-            preload=("ppclip_func", "demo.model", "demo.parallel", "demo.optim"),
-        )[0]  # fmt: skip
+        runs = on_demo_ranks(_rank, args, cfg, data, t0)
     except RanksFailed as e:
         print(f"the distributed run failed:\n{e}", file=sys.stderr)
         return 1

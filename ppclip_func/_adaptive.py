@@ -216,9 +216,15 @@ def skip_update_(skip: torch.Tensor, tensors: Iterable[torch.Tensor] | Any, upda
     flat = [t for t in flat if isinstance(t, torch.Tensor)]
     saved = [t.clone() for t in flat]
     result = update()
-    # One _foreach_copy_, not a copy_ per tensor: compiled with torch 2.13, a tensor.copy_ after
-    # _foreach_add_ on the same 0-dim tensor (AdamW's step count) is dropped from the graph
-    # (measured: the count stayed incremented under aot_eager); _foreach_copy_ is kept.
-    if flat:
-        torch._foreach_copy_(flat, [torch.where(skip.to(t.device), old, t) for t, old in zip(flat, saved)])
+    if torch.compiler.is_compiling():
+        # One _foreach_copy_, not a copy_ per tensor: with torch 2.13, a tensor.copy_ after
+        # _foreach_add_ on the same 0-dim tensor (AdamW's step count) is dropped from the graph
+        # (measured: the count stayed incremented under aot_eager); _foreach_copy_ is kept.
+        # Inductor fuses the select into the copy.
+        if flat:
+            torch._foreach_copy_(flat, [torch.where(skip.to(t.device), old, t) for t, old in zip(flat, saved)])
+    else:
+        # Eager: the select written in place, no new tensor per leaf (each would page-fault in).
+        for t, old in zip(flat, saved):
+            torch.where(skip.to(t.device), old, t, out=t)
     return result
