@@ -19,6 +19,7 @@ import pathlib
 import time
 
 import torch
+from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
 from bench._shapes import make_grads, make_params
@@ -27,33 +28,40 @@ from bench.compile_study import COMPILED, _no_compile_caches, llama_shapes, warm
 IMPLS = ("ppclip clip_grad_norm_ (in place)", "torch get_total_norm + clip_grads_with_norm_")
 
 
-def _profile(impl: str, n_leaves: int) -> dict:
-    grads = make_grads(llama_shapes(n_leaves), torch.float32)
-    params = make_params(grads)
+def _graphs(impl: str, params: list) -> dict[str, list]:
+    """The FX graph dynamo captures and the aten graph AOTAutograd makes of it (what inductor is given)."""
     graphs: dict[str, list] = {"dynamo": [], "aten": []}
 
     def keep_aten(gm, example_inputs):
         graphs["aten"].append(gm)
-        return torch._inductor.compile_fx.compile_fx_inner(gm, example_inputs)
+        return make_boxed_func(gm.forward)
 
     def backend(gm, example_inputs):
         graphs["dynamo"].append(gm)
         return aot_autograd(fw_compiler=keep_aten, inference_compiler=keep_aten)(gm, example_inputs)
 
     torch._dynamo.reset()
+    torch.compile(COMPILED[impl], backend=backend, fullgraph=True)(params, torch.tensor(1.0))
+    torch._dynamo.reset()
+    return graphs
+
+
+def _profile(impl: str, n_leaves: int) -> dict:
+    grads = make_grads(llama_shapes(n_leaves), torch.float32)
+    params = make_params(grads)
+    graphs = _graphs(impl, params)
+    aten = graphs["aten"][0]
+    ops = collections.Counter(
+        getattr(n.target, "__name__", str(n.target)) for n in aten.graph.nodes if n.op == "call_function"
+    )
+    torch._dynamo.reset()
     torch._dynamo.utils.reset_frame_count()
-    compiled = torch.compile(COMPILED[impl], backend=backend, fullgraph=True)
+    compiled = torch.compile(COMPILED[impl], backend="inductor", fullgraph=True)
     with _no_compile_caches():
         t0 = time.perf_counter()
         compiled(params, torch.tensor(1.0))
         seconds = time.perf_counter() - t0
     phases = torch._dynamo.utils.compile_times(repr="csv")
-    aten = graphs["aten"][0]
-    ops = collections.Counter(
-        str(n.target).split(".")[0] if not hasattr(n.target, "name") else n.target.name()
-        for n in aten.graph.nodes
-        if n.op == "call_function"
-    )
     torch._dynamo.reset()
     return {
         "impl": impl,
