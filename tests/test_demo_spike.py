@@ -42,7 +42,7 @@ def test_the_spike_is_clipped_or_skipped_and_the_runs_agree_before_it(output: st
     assert norm > 100 * float(rows[SPIKE - 2][1]), "the spiked step's norm is about 1000 times the others"
     for r in rows[:5]:  # the losses of the warm-up steps (4) and the one after: every run clipped at max_norm
         assert r[2] == r[3] == r[4], f"the runs differ in warm-up: {r}"
-    for r in rows[: SPIKE]:  # the skipping run is the adaptive one until it skips
+    for r in rows[:SPIKE]:  # the skipping run is the adaptive one until it skips
         assert r[3] == r[4], f"adaptive and skipping runs differ before the spike: {r}"
     skipped = [int(r[0]) for r in rows if "yes" in r]
     assert skipped == [SPIKE], skipped
