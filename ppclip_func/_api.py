@@ -576,10 +576,13 @@ def _grad_reader(parameters: Any, caller: str) -> tuple[Any, Callable[[], Any]]:
         parameters = list(parameters)
 
     def read_grads() -> Any:
-        if isinstance(parameters, list):  # the common case, without tree_map's per-leaf overhead
+        # The common cases, a list or a dict of parameters, without tree_map's per-leaf overhead.
+        if type(parameters) is list:
             if set(map(type, parameters)) <= _PARAMETER_TYPES:
                 return [p.grad for p in parameters]
             return [_grad_of(p) for p in parameters]
+        if type(parameters) is dict and set(map(type, parameters.values())) <= _PARAMETER_TYPES:
+            return {name: p.grad for name, p in parameters.items()}
         return pytree.tree_map(_grad_of, parameters)
 
     return parameters, read_grads

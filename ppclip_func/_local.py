@@ -155,11 +155,11 @@ def leaf_statistics(tensors: list[torch.Tensor], kind: NormKind, *, overflow_saf
     batched: dict[torch.dtype, list[int]] = defaultdict(list)
     alone: list[int] = []
     empty: list[int] = []
-    for i, t in enumerate(tensors):
-        size = t.numel()
+    limits = {d: _foreach_limit(d, kind, overflow_safe) for d in {t.dtype for t in tensors}}
+    for i, (t, size) in enumerate(zip(tensors, map(torch.Tensor.numel, tensors))):
         if size == 0:
             empty.append(i)
-        elif size <= _foreach_limit(t.dtype, kind, overflow_safe):
+        elif size <= limits[t.dtype]:
             batched[t.dtype].append(i)
         else:
             alone.append(i)

@@ -179,12 +179,12 @@ def _with_param_entries(
         entries = entries.index_add(0, index, source)
     else:
         entries = entries.scatter_reduce(0, index, source, "amax" if kind.op == "max" else "amin")
-    levels = [ABSENT] * (n_groups + n_params)
-    for t, g, s in zip(shards, group_of, slots):
-        level = HAS_ELEMENT if t.numel() > 0 else HAS_LEAF
-        levels[g] = max(levels[g], level)
-        levels[n_groups + s] = max(levels[n_groups + s], level)
-    return kind.encode(entries.to(device), torch.tensor(levels, dtype=STAT_DTYPE, device=device))
+    # What this rank holds of each entry: the highest level of its leaves there (static: shapes only).
+    held = [HAS_ELEMENT if size else HAS_LEAF for size in map(torch.Tensor.numel, shards)]
+    levels = torch.full((n_groups + n_params,), ABSENT, dtype=STAT_DTYPE).scatter_reduce(
+        0, index.cpu(), torch.tensor(held + held, dtype=STAT_DTYPE), "amax"
+    )
+    return kind.encode(entries.to(device), levels.to(device))
 
 
 def _for_leaf(leaves: Leaves, i: int, fn: Any, *args: Any) -> Any:

@@ -68,6 +68,8 @@ class Leaves:
 
     def all_names(self) -> list[str]:
         """Returns the dotted name of every leaf of ``flat``, ``None`` leaves included."""
+        if self.spec is None:  # a flat list, tuple or dict (flatten_grads' fast path): its keys or indices
+            return [str(k) for k in self.tree] if type(self.tree) is dict else [str(i) for i in range(len(self.flat))]
         return [".".join(_key_name(k) for k in path) for path, _ in pytree.tree_flatten_with_path(self.tree)[0]]
 
     def unflatten(self, new_tensors: list[torch.Tensor]) -> Any:
@@ -88,11 +90,12 @@ def flatten_grads(grads: Any, what: str = "gradient") -> Leaves:
             not float16, bfloat16, float32 or float64.
         ValueError: Leaves sit on different devices.
     """
-    if type(grads) in (list, tuple):
-        # A flat list is its own flattening: no per-leaf pytree work, and the
-        # spec is built only if unflatten needs it. _check_leaves falls back to
-        # tree_flatten if the list holds containers.
-        return _check_leaves(grads, what, list(grads), None)
+    if type(grads) in (list, tuple, dict):
+        # A flat list (or dict, e.g. of named parameters' grads) is its own
+        # flattening, in the order tree_flatten gives: no per-leaf pytree work,
+        # and the spec is built only if unflatten needs it. _check_leaves falls
+        # back to tree_flatten if it holds containers.
+        return _check_leaves(grads, what, list(grads.values() if type(grads) is dict else grads), None)
     return _check_leaves(grads, what, *pytree.tree_flatten(grads))
 
 
