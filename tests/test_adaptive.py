@@ -351,3 +351,16 @@ def test_select_update_keeps_old_values_bitwise_even_against_nan():
     assert torch.equal(kept["w"], old["w"]) and torch.equal(kept["step"], old["step"]) and kept["name"] == "adamw"
     taken = select_update(torch.tensor(False), new, old)
     assert torch.isnan(taken["w"]).all() and float(taken["step"]) == 5.0
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf, -math.inf])
+def test_a_nan_gradient_makes_its_parameter_norm_and_the_total_nan_and_no_other(norm_type):
+    from ppclip_func import param_norm_index
+
+    grads = {"a": torch.tensor([1.0, math.nan]), "b": torch.tensor([2.0, -3.0])}
+    index = param_norm_index(grads, None)
+    _, stats = adaptive_clip_grad_norm(grads, None, init_clip_state(), norm_type, param_norms=index)
+    norms = index.named(stats.param_norms)
+    assert math.isnan(float(stats.total_norm)) and math.isnan(float(norms["a"]))
+    assert float(norms["b"]) == pytest.approx(reference_norm([grads["b"]], norm_type), rel=1e-6)
+    assert bool(stats.skip), "a non-finite norm is a skipped step"
