@@ -577,7 +577,7 @@ def _grad_reader(parameters: Any, caller: str) -> tuple[Any, Callable[[], Any]]:
 
     def read_grads() -> Any:
         # The common cases, a list or a dict of parameters, without tree_map's per-leaf overhead.
-        if type(parameters) is list:
+        if isinstance(parameters, list):
             if set(map(type, parameters)) <= _PARAMETER_TYPES:
                 return [p.grad for p in parameters]
             return [_grad_of(p) for p in parameters]

@@ -234,3 +234,14 @@ def test_large_leaves_are_chunked_without_changing_the_norm(norm_type, dtype):
     assert not column_slice.is_contiguous() and not column_slice.t().is_contiguous()
     grads.append(column_slice)
     assert_close_rel(float(global_grad_norm(grads, None, norm_type)), reference_norm(grads, norm_type), 1e-6)
+
+
+@pytest.mark.parametrize("container", [list, type("ParameterList", (list,), {}), tuple, dict])
+def test_parameters_in_a_list_subclass_or_other_container_are_clipped_alike(container):
+    params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(2)]
+    for p, v in zip(params, (3.0, 4.0)):
+        p.grad = torch.full((2,), v)
+    given = container({str(i): p for i, p in enumerate(params)}) if container is dict else container(params)
+    total = clip_grad_norm_(given, None, 1.0)
+    assert_close_rel(float(total), reference_norm([torch.full((2,), 3.0), torch.full((2,), 4.0)], 2.0), 1e-6)
+    assert_close_rel(float(params[1].grad[0]), 4.0 / float(total), 1e-6)
