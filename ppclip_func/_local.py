@@ -44,6 +44,7 @@ instead: shape-static, no scratch buffer, no loop over blocks.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import defaultdict
 from collections.abc import Iterator
@@ -188,10 +189,14 @@ def leaf_statistics(tensors: list[torch.Tensor], kind: NormKind, *, overflow_saf
     return stats[torch.tensor(inverse, device=stats.device)]
 
 
-def _foreach_limit(dtype: torch.dtype, kind: NormKind, overflow_safe: bool) -> int:
-    """The largest leaf whose statistic one ``_foreach_norm`` call gives within our precision."""
+def _foreach_limit(dtype: torch.dtype, kind: NormKind, overflow_safe: bool) -> float:
+    """The largest leaf whose statistic one ``_foreach_norm`` call gives within our precision.
+
+    Shared by :func:`leaf_statistics` and :func:`_traced`. (The eager bucketed
+    path has its own limits: those are about speed on CPU, not precision.)
+    """
     if kind.op != "sum":
-        return BLOCK  # max and min are exact in any order
+        return math.inf  # max and min are exact in any order and at any size
     if kind.p == 0.0:
         return COUNT_WHOLE
     if kind.p == 2.0:
@@ -478,15 +483,7 @@ def _traced(
     for t in tensors:
         acc = _acc_dtype(t.dtype, overflow_safe)
         n = t.numel()
-        if kind.op != "sum":
-            limit = n  # max and min are exact in any order
-        elif kind.p == 0.0:
-            limit = COUNT_WHOLE
-        elif kind.p == 2.0:
-            limit = WHOLE if t.dtype == acc else ROW
-        else:
-            limit = 0
-        if n <= limit:
+        if n <= _foreach_limit(t.dtype, kind, overflow_safe):
             whole[t.dtype].append(t)
             continue
         t = _dense_view(t)
