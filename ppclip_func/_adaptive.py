@@ -89,9 +89,7 @@ def init_clip_state(device: torch.device | str | None = None, dtype: torch.dtype
     return ClipState(torch.zeros((), dtype=torch.int64, device=device), zero, zero.clone())
 
 
-def check_adaptive_args(
-    state: Any, max_norm: float | torch.Tensor, z: float | None, alpha: float, warmup: int, skip_z: float | None
-) -> None:
+def check_adaptive_args(state: Any, z: float | None, alpha: float, warmup: int, skip_z: float | None) -> None:
     """Raises ``TypeError``/``ValueError`` for a malformed state or option (static checks only)."""
     if not isinstance(state, ClipState) or not all(isinstance(t, torch.Tensor) and t.dim() == 0 for t in state):
         raise TypeError(f"state must be a ClipState of 0-dim tensors (see init_clip_state()), got {state!r}")

@@ -480,7 +480,7 @@ def adaptive_clip_grad_norm_(
         (True, 1.83)
     """
     _check_clip_args(max_norm, eps, nonfinite)
-    check_adaptive_args(state, max_norm, z, alpha, warmup, skip_z)
+    check_adaptive_args(state, z, alpha, warmup, skip_z)
     kind = norm_kind(norm_type)
     parameters, read_grads = _grad_reader(parameters, "adaptive_clip_grad_norm_")
     opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, param_norms)
@@ -531,7 +531,7 @@ def adaptive_clip_grad_norm(
         (tensor([0.5000, 0.5000, 0.5000, 0.5000]), tensor(6.), tensor(1.))
     """
     _check_clip_args(max_norm, eps, nonfinite)
-    check_adaptive_args(state, max_norm, z, alpha, warmup, skip_z)
+    check_adaptive_args(state, z, alpha, warmup, skip_z)
     kind = norm_kind(norm_type)
     opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, param_norms)
     measured = measure(lambda: grads, grads, "gradient", mesh, kind, opts)

@@ -172,17 +172,19 @@ def _with_param_entries(
     per_leaf = leaf_statistics(shards, kind, overflow_safe=opts.overflow_safe)
     if kind.op == "sum":
         per_leaf = per_leaf * torch.tensor(weights, dtype=STAT_DTYPE).to(per_leaf.device)
-    index = torch.tensor(group_of + [n_groups + s for s in slots], dtype=torch.int64).to(per_leaf.device)
+    # Each leaf's group entry, then its parameter entry. Built on the host, where the levels use it.
+    index = torch.tensor(group_of + [n_groups + s for s in slots], dtype=torch.int64)
     entries = torch.full((n_groups + n_params,), kind.identity, dtype=STAT_DTYPE, device=per_leaf.device)
     source = torch.cat([per_leaf, per_leaf])
+    on_device = index.to(per_leaf.device)
     if kind.op == "sum":
-        entries = entries.index_add(0, index, source)
+        entries = entries.index_add(0, on_device, source)
     else:
-        entries = entries.scatter_reduce(0, index, source, "amax" if kind.op == "max" else "amin")
+        entries = entries.scatter_reduce(0, on_device, source, "amax" if kind.op == "max" else "amin")
     # What this rank holds of each entry: the highest level of its leaves there (static: shapes only).
     held = [HAS_ELEMENT if size else HAS_LEAF for size in map(torch.Tensor.numel, shards)]
     levels = torch.full((n_groups + n_params,), ABSENT, dtype=STAT_DTYPE).scatter_reduce(
-        0, index.cpu(), torch.tensor(held + held, dtype=STAT_DTYPE), "amax"
+        0, index, torch.tensor(held + held, dtype=STAT_DTYPE), "amax"
     )
     return kind.encode(entries.to(device), levels.to(device))
 
