@@ -1,0 +1,312 @@
+"""The clip on torchtitan 0.3.0's own models and parallelisms, against the float64 gradient of the whole model.
+
+Eight gloo ranks, started once for every case (``demo/harness.py`` through
+``tests/_cases.py``). Each layout is built with torchtitan's code, as its
+trainer builds it (``tests/_torchtitan.py``: ``ParallelDims.build_mesh``,
+llama3 ``debugmodel`` or a small qwen3 MoE from the model registry,
+``pipeline_llm`` with 1F1B, ``parallelize_llama`` / ``parallelize_qwen3``,
+torchtitan's cross-entropy loss), then runs one forward/backward. The
+reference is that step's gradient gathered from every rank in float64
+(``tests/_gather.py``), its norm taken the obvious way. For norm types 2, 1
+and inf, each layout is checked three ways, one test each:
+
+* ``named_mesh``: ``global_grad_norm`` and ``clip_grad_norm_`` given the
+  named mesh over every rank that torchtitan builds, e.g.
+  ``("pp", "dp_shard", "tp")`` from ``parallel_dims.get_activated_mesh``;
+* ``world_mesh``: the mesh a torchtitan trainer holds,
+  ``parallel_dims.world_mesh``, one dim called ``"world"``: with a pipeline
+  it says nothing of the stages, so alone it is refused with an error naming
+  ``pp_mesh``; with ``pp_mesh=parallel_dims.get_optional_mesh("pp")`` (or
+  with ``mesh=None`` and ``pp_mesh``) the norm is right;
+* ``drop_in``: ``ppclip_func.torchtitan.clip_grad_norm_`` called exactly as
+  torchtitan's trainer calls ``torchtitan.distributed.utils.clip_grad_norm_``,
+  and torchtitan's own function called the same way on the same gradients.
+
+Norms are within 1e-6 relative of float64 with exactly one collective;
+clipped gradients are the float64 reference scaled by the float64 clip
+coefficient, within 1e-6.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from ppclip_func import clip_grad_norm_, global_grad_norm
+from tests._cases import real_rank_test
+from tests._collectives import CollectiveCounter
+from tests._gather import model_gradient
+from tests._reference import reference_coefficient, reference_norm
+from tests._torchtitan import TORCHTITAN_VERSION, Layout, Trained, train_step
+
+WORLD = 8
+NORM_TYPES = (2.0, 1.0, math.inf)
+RTOL = 1e-6
+
+LAYOUTS = {
+    "pp2_fsdp2_tp2": Layout("llama3", pp=2, dp_shard=2, tp=2),
+    "pp2_hsdp2x2": Layout("llama3", pp=2, dp_replicate=2, dp_shard=2),
+    "pp2_fsdp4_ep2": Layout("qwen3_moe", pp=2, dp_shard=4, ep=2),
+    "pp2_fsdp2_tp2_ep4": Layout("qwen3_moe", pp=2, dp_shard=2, tp=2, ep=4),
+    "hsdp2x4_ep2": Layout("qwen3_moe", dp_replicate=2, dp_shard=4, ep=2),
+    "pp2_fsdp2_tp2_partial_dtensor": Layout("llama3", pp=2, dp_shard=2, tp=2, spmd_backend="partial_dtensor"),
+}
+
+# The meshes each layout's gradients live on (names of their dims): the layouts are what they claim to be.
+GRAD_MESHES = {
+    "pp2_fsdp2_tp2": {("dp_shard", "tp")},
+    "pp2_hsdp2x2": {("dp_replicate", "dp_shard")},
+    "pp2_fsdp4_ep2": {("dp_shard",), ("efsdp", "ep")},
+    "pp2_fsdp2_tp2_ep4": {("dp_shard", "tp"), ("efsdp", "ep")},
+    "hsdp2x4_ep2": {("dp_replicate", "dp_shard"), ("dp_replicate", "efsdp", "ep")},
+    "pp2_fsdp2_tp2_partial_dtensor": {("fsdp", "tp")},
+}
+
+
+def test_torchtitan_is_installed() -> None:
+    """torchtitan is a pinned test dependency: without it these tests fail, they do not skip."""
+    try:
+        version = importlib.metadata.version("torchtitan")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.fail(f"torchtitan is not installed: pip install --no-deps torchtitan=={TORCHTITAN_VERSION}")
+    assert version == TORCHTITAN_VERSION, f"torchtitan {version} is installed; these tests pin {TORCHTITAN_VERSION}"
+
+
+# ---------------------------------------------------------------------------------------------
+# One build and one step per layout, shared by its three cases
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Built:
+    """A layout after one step, with its float64 reference; ``restore()`` undoes an in-place clip."""
+
+    name: str
+    trained: Trained
+    model: dict[str, torch.Tensor]  # the whole model's gradient in float64, by parameter name
+    saved: dict[str, torch.Tensor]  # this rank's local gradients as the step left them
+
+    @property
+    def parallel_dims(self) -> Any:
+        return self.trained.parallel_dims
+
+    def grads(self) -> dict[str, torch.Tensor | None]:
+        return self.trained.named_grads()
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """What torchtitan's trainer passes to the clip: every parameter of every model part."""
+        return [p for m in self.trained.model_parts for p in m.parameters()]
+
+    def expected(self, norm_type: float) -> float:
+        return reference_norm(self.model.values(), norm_type)
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for name, g in self.grads().items():
+                _local(g).copy_(self.saved[name])
+
+
+_BUILT: dict[str, Built | BaseException] = {}
+
+
+def _built(name: str) -> Built:
+    """Layout ``name`` built and stepped on this rank (once: its three cases share it; one layout held at a time)."""
+    if name not in _BUILT:
+        _BUILT.clear()
+        try:
+            trained = train_step(LAYOUTS[name])
+            grads = trained.named_grads()
+            meshes = {g.device_mesh.mesh_dim_names for g in grads.values() if isinstance(g, DTensor)}
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, (meshes, all(g is not None for g in grads.values())))
+            assert set().union(*(m for m, _ in everyone)) == GRAD_MESHES[name], everyone
+            assert all(has_all for _, has_all in everyone), "a parameter has no gradient after the step"
+            saved = {n: _local(g).detach().clone() for n, g in grads.items()}
+            _BUILT[name] = Built(name, trained, model_gradient(grads), saved)
+        except BaseException as e:
+            _BUILT[name] = e
+            raise
+    built = _BUILT[name]
+    if isinstance(built, BaseException):
+        raise RuntimeError(f"building {name} failed in an earlier case") from built
+    return built
+
+
+def named_world_mesh(parallel_dims: Any) -> DeviceMesh:
+    """torchtitan's named mesh of every rank: its dense mesh (``pp``, data and tensor dims), enabled dims only."""
+    dp_shard = "fsdp" if parallel_dims.spmd_backend == "partial_dtensor" else "dp_shard"
+    mesh = parallel_dims.get_activated_mesh(["pp", "dp_replicate", dp_shard, "cp", "tp"])
+    assert mesh.size() == dist.get_world_size(), mesh
+    return mesh
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+# ---------------------------------------------------------------------------------------------
+# The checks: collectives on every rank first, assertions at the end
+# ---------------------------------------------------------------------------------------------
+
+
+class Checks:
+    """Collects failed checks so that every rank reaches the same collectives; keeps the worst errors."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.failures: list[str] = []
+        self.worst_norm = 0.0
+        self.worst_grad = 0.0
+        self.collectives: dict[str, set[int]] = {}
+
+    def norm(self, what: str, actual: torch.Tensor | float, expected: float) -> None:
+        err = abs(float(actual) - expected) / expected
+        self.worst_norm = max(self.worst_norm, err)
+        if not err <= RTOL:
+            self.failures.append(f"{what}: {float(actual)!r}, float64 {expected!r} (relative error {err:.3g})")
+
+    def count(self, what: str, counter: CollectiveCounter, expected: int | None = 1) -> None:
+        self.collectives.setdefault(what.split(" ")[0], set()).add(counter.count)
+        if expected is not None and counter.count != expected:
+            self.failures.append(f"{what}: {counter.count} collectives, {expected} expected: {counter.ops}")
+
+    def clipped(self, what: str, built: Built, coefficient: float) -> None:
+        """Every local gradient is the step's gradient times the float64 ``coefficient``, within 1e-6."""
+        for name, g in built.grads().items():
+            want = built.saved[name].double() * coefficient
+            got = _local(g).double()
+            err = float(((got - want).abs() / want.abs()).nan_to_num(0.0).max()) if want.numel() else 0.0
+            self.worst_grad = max(self.worst_grad, err)
+            if not err <= RTOL:
+                self.failures.append(f"{what}: {name} is not the reference scaled (relative error {err:.3g})")
+
+    def done(self) -> None:
+        if dist.get_rank() == 0:
+            counts = ", ".join(f"{k} {sorted(v)}" for k, v in self.collectives.items())
+            print(
+                f"[{self.where}] max rel. error: norm {self.worst_norm:.2e}, clipped grads {self.worst_grad:.2e}; "
+                f"collectives: {counts}",
+                flush=True,
+            )
+        if self.failures:
+            raise AssertionError(f"{self.where}: {len(self.failures)} failed check(s):\n" + "\n".join(self.failures))
+
+
+def named_mesh(built: Built, checks: Checks) -> None:
+    """``global_grad_norm`` and ``clip_grad_norm_`` over torchtitan's named mesh of every rank."""
+    mesh = named_world_mesh(built.parallel_dims)
+    for p in NORM_TYPES:
+        expected = built.expected(p)
+        max_norm = expected / 2  # the clip always scales
+        with CollectiveCounter() as c:
+            total = global_grad_norm(built.grads(), mesh, p)
+        checks.norm(f"global_grad_norm p={p}", total, expected)
+        checks.count(f"global_grad_norm p={p}", c)
+        with CollectiveCounter() as c:
+            total = clip_grad_norm_(built.parameters(), mesh, max_norm, p)
+        checks.norm(f"clip_grad_norm_ p={p}", total, expected)
+        checks.count(f"clip_grad_norm_ p={p}", c)
+        checks.clipped(f"clip_grad_norm_ p={p}", built, reference_coefficient(expected, max_norm))
+        built.restore()
+
+
+def world_mesh(built: Built, checks: Checks) -> None:
+    """``parallel_dims.world_mesh``, the 1-D mesh a torchtitan trainer holds: with ``pp_mesh`` when there are stages."""
+    world = built.parallel_dims.world_mesh
+    pp_mesh = built.parallel_dims.get_optional_mesh("pp")
+    assert world.mesh_dim_names == ("world",) and (pp_mesh is not None) == (built.parallel_dims.pp > 1)
+    if pp_mesh is not None:
+        # Which ranks hold which stage is not in a 1-D mesh: refused, on every rank, before any collective.
+        with CollectiveCounter() as c, pytest.raises(ValueError, match="pp_mesh"):
+            global_grad_norm(built.grads(), world, 2.0)
+        checks.count("refused", c, expected=0)
+    for p in NORM_TYPES:
+        expected = built.expected(p)
+        max_norm = expected / 2
+        with CollectiveCounter() as c:
+            total = global_grad_norm(built.grads(), world, p, pp_mesh=pp_mesh)
+        checks.norm(f"global_grad_norm(world_mesh, pp_mesh=) p={p}", total, expected)
+        checks.count(f"global_grad_norm(world_mesh, pp_mesh=) p={p}", c)
+        with CollectiveCounter() as c:
+            total = clip_grad_norm_(built.parameters(), world, max_norm, p, pp_mesh=pp_mesh)
+        checks.norm(f"clip_grad_norm_(world_mesh, pp_mesh=) p={p}", total, expected)
+        checks.count(f"clip_grad_norm_(world_mesh, pp_mesh=) p={p}", c)
+        checks.clipped(f"clip_grad_norm_(world_mesh, pp_mesh=) p={p}", built, reference_coefficient(expected, max_norm))
+        built.restore()
+        if pp_mesh is not None:
+            with CollectiveCounter() as c:
+                total = global_grad_norm(built.grads(), None, p, pp_mesh=pp_mesh)
+            checks.norm(f"global_grad_norm(None, pp_mesh=) p={p}", total, expected)
+            checks.count(f"global_grad_norm(None, pp_mesh=) p={p}", c)
+
+
+def _as_the_trainer_calls(clip: Callable[..., torch.Tensor], built: Built, max_norm: float, p: float) -> torch.Tensor:
+    """``clip`` called as torchtitan 0.3.0's ``Trainer.train_step`` calls its clip (``torchtitan/trainer.py``)."""
+    parallel_dims = built.parallel_dims
+    norm_type = {} if p == 2.0 else {"norm_type": p}  # the trainer leaves the default, 2
+    return clip(
+        [param for m in built.trained.model_parts for param in m.parameters()],
+        max_norm,
+        **norm_type,
+        foreach=True,
+        pp_mesh=parallel_dims.get_optional_mesh("pp"),
+        ep_enabled=parallel_dims.ep_enabled,
+    )
+
+
+def drop_in(built: Built, checks: Checks) -> None:
+    """``ppclip_func.torchtitan.clip_grad_norm_`` where torchtitan's trainer calls its own; torchtitan's alongside."""
+    from ppclip_func.torchtitan import clip_grad_norm_ as ppclip_clip_grad_norm_
+    from torchtitan.distributed.utils import clip_grad_norm_ as torchtitan_clip_grad_norm_
+
+    for p in NORM_TYPES:
+        expected = built.expected(p)
+        max_norm = expected / 2
+        with CollectiveCounter() as c:
+            ours = _as_the_trainer_calls(ppclip_clip_grad_norm_, built, max_norm, p)
+        checks.norm(f"ppclip_func.torchtitan p={p}", ours, expected)
+        checks.count(f"ppclip_func.torchtitan p={p}", c)
+        checks.clipped(f"ppclip_func.torchtitan p={p}", built, reference_coefficient(expected, max_norm))
+        built.restore()
+        with CollectiveCounter() as c:
+            theirs = _as_the_trainer_calls(torchtitan_clip_grad_norm_, built, max_norm, p)
+        built.restore()
+        checks.count(f"torchtitan p={p}", c, expected=None)
+        checks.norm(f"torchtitan's own clip_grad_norm_ p={p}", theirs, expected)  # torchtitan is right on these
+        checks.norm(f"ppclip_func.torchtitan vs torchtitan p={p}", ours, float(theirs))
+
+
+PARTS = (named_mesh, world_mesh, drop_in)
+
+
+def _case(layout: str, part: Callable[[Built, Checks], None]) -> Callable[[int, int], None]:
+    """The module-level case ``{layout}__{part}`` (pickled by name into the ranks)."""
+    name = f"{layout}__{part.__name__}"
+
+    def case(rank: int, world_size: int) -> None:
+        built = _built(layout)
+        checks = Checks(name)
+        try:
+            part(built, checks)
+        finally:
+            built.restore()
+        checks.done()
+
+    case.__name__ = case.__qualname__ = name
+    globals()[name] = case
+    return case
+
+
+CASES = [_case(layout, part) for layout in LAYOUTS for part in PARTS]
+
+# The first case builds torchtitan's meshes and model on 8 ranks of 2 busy cores: gloo waits up to 2 minutes.
+test_on_real_ranks = real_rank_test(CASES, WORLD, case_timeout=120.0)
