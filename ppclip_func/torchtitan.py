@@ -1,14 +1,11 @@
 """torchtitan's ``clip_grad_norm_``, same signature and return value, with one collective.
 
-A trainer written for torchtitan (``torchtitan.distributed.utils.clip_grad_norm_``)
-keeps its call and changes one import::
+A trainer written for torchtitan keeps the arguments of its call to
+``torchtitan.distributed.utils.clip_grad_norm_`` and adds one import::
 
-    # before
-    from torchtitan.distributed import utils as dist_utils
-    # after
-    from ppclip_func import torchtitan as dist_utils
+    from ppclip_func import torchtitan as ppclip
 
-    grad_norm = dist_utils.clip_grad_norm_(
+    grad_norm = ppclip.clip_grad_norm_(  # was: dist_utils.clip_grad_norm_(
         [p for m in model_parts for p in m.parameters()],
         max_norm,
         foreach=True,
@@ -16,10 +13,8 @@ keeps its call and changes one import::
         ep_enabled=parallel_dims.ep_enabled,
     )
 
-(``dist_utils`` also names torchtitan's other helpers in its trainer; there,
-import this function under its own name instead.) Nothing of torchtitan is
-imported here: the function takes what its call site passes and hands it to
-:func:`ppclip_func.clip_grad_norm_`.
+Nothing of torchtitan is imported here: the function takes what its call
+site passes and hands it to :func:`ppclip_func.clip_grad_norm_`.
 """
 
 from __future__ import annotations
@@ -78,10 +73,10 @@ def clip_grad_norm_(
 
     Example:
         >>> import torch
-        >>> from ppclip_func import torchtitan as dist_utils
+        >>> from ppclip_func import torchtitan as ppclip
         >>> model = torch.nn.Linear(2, 1, bias=False)
         >>> model.weight.grad = torch.tensor([[3.0, 4.0]])
-        >>> dist_utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=True, pp_mesh=None)
+        >>> ppclip.clip_grad_norm_(list(model.parameters()), 1.0, foreach=True, pp_mesh=None)
         tensor(5.)
         >>> model.weight.grad
         tensor([[0.6000, 0.8000]])
