@@ -12,18 +12,19 @@ LINTED := ppclip_func tests bench demo
 
 .PHONY: demo demo-spike test test-quick test-torch-2.14 lint bench clean
 
+# torchtitan 0.3.0 is a test dependency (tests/test_torchtitan.py runs its own meshes, models and
+# parallelisms), installed without its dependencies (datasets, wandb, torchdata, ...): the parts
+# the tests use import only what the test extra brings. It needs Python >= 3.11.
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==$(TORCH) numpy
 	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet --no-deps torchtitan==0.3.0
 	touch $@
 
-# matplotlib for the plots, and torchtitan's own clip as study 3's baseline: a bench-only extra.
-# torchtitan without its dependencies (datasets, wandb, ...): its clip imports only what the
-# bench extra brings. torchtitan 0.3.0 needs Python >= 3.11.
+# matplotlib for the plots: a bench-only extra (torchtitan's clip, study 3's baseline, comes with the tests').
 $(BENCH_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -e '.[test,bench]'
-	$(PY) -m pip install --quiet --no-deps torchtitan==0.3.0
 	touch $@
 
 demo: $(STAMP)

@@ -175,6 +175,24 @@ def _goal_rows(results: dict[str, dict | None], notes: dict[str, str], quick: bo
         )
     else:
         rows.append(f"| 6. Host time vs ranks | {notes.get('ranks', 'not run')} | ours at 16,384 ≤ 1.5x at 64 | — |")
+    op = results.get("optimizer")
+    for s in op["settings"] if op else []:
+        r, comp = s["eager_ratio_vs_torch"], s.get("compiled_ratio_vs_torch") or {}
+        handed_goal = 0.9 if s["dtype"] == "float32" else 1.0
+        skip_over = s["eager_ratio_vs_handed"]["handed_skipped"]
+        measured = (
+            f"eager handed {_x(r['handed'])}x torch's clip + step (in place {_x(r['ours_inplace'])}x, step alone "
+            f"{_x(r['step_only'])}x); skipped {_x(skip_over)}x a handed step"
+        )
+        oks = [r["handed"] <= handed_goal, skip_over <= 1.05]
+        goal = f"eager ≤ {handed_goal}x torch, skipped ≤ 1.05x handed"
+        if comp:
+            measured += f"; compiled {_x(comp['ours'])}x torch's compiled clip + step"
+            goal += ", compiled ≤ 1.0x"
+            oks.append(comp["ours"] <= 1.0)
+        rows.append(
+            f"| 8. Optimizer step, {s['setting']}, {s['dtype']} | {measured} | {goal} | {_status(all(oks), quick)} |"
+        )
     return rows
 
 
@@ -288,6 +306,26 @@ def _features_table(ft: dict) -> list[str]:
     return lines
 
 
+def _optimizer_table(op: dict) -> list[str]:
+    variants = ("step_only", "ours_inplace", "handed", "handed_skipped", "skip_update")
+    lines = [
+        "| setting | dtype | torch clip + step ms | "
+        + " | ".join(variants)
+        + " | compiled: ours | ours + skip_update_ | skipped step MiB beyond the norm: handed | skip_update_ |",
+        "|---|---|---|" + "---|" * len(variants) + "---|---|---|---|",
+    ]
+    for s in op.get("settings", []):
+        eager = " | ".join(_x(s["eager_ratio_vs_torch"][v]) for v in variants)
+        comp = s.get("compiled_ratio_vs_torch") or {}
+        b = s["bytes_allocated"]
+        extra = [(b[k] - b["norm_only"]) / 2**20 for k in ("handed_skipped", "skip_update")]
+        lines.append(
+            f"| {s['setting']} | {s['dtype']} | {_ms(s['eager_ms']['torch'])} | {eager} | {_x(comp.get('ours'))} "
+            f"| {_x(comp.get('ours_skip_update'))} | {extra[0]:.2f} | {extra[1]:.1f} |"
+        )
+    return lines
+
+
 def summary(results: dict[str, dict | None], notes: dict[str, str], quick: bool, seconds: dict[str, float]) -> str:
     """The Markdown the README includes: the goals table, then one table per study."""
     machine = next((r["machine"] for r in results.values() if r and "machine" in r), {})
@@ -322,6 +360,9 @@ def summary(results: dict[str, dict | None], notes: dict[str, str], quick: bool,
     if results.get("features"):
         lines += ["", "### 7. Cost of the features over the plain in-place clip (time ratio, median)", ""]
         lines += _features_table(results["features"])
+    if results.get("optimizer"):
+        lines += ["", "### 8. The whole optimizer step: time over torch's clip + fused AdamW step (median)", ""]
+        lines += _optimizer_table(results["optimizer"])
     took = ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items())
     lines += ["", f"Wall time per study: {took}."]
     return "\n".join(lines) + "\n"

@@ -23,6 +23,9 @@ Studies (each a module ``bench/<name>_study.py`` with ``run(quick, out) -> dict`
 7. ``features``: one process: what the adaptive threshold, step skipping and
    per-parameter norms cost over the plain clip, GPT-2 shapes and 1000 and
    10 000 leaves.
+8. ``optimizer``: one process: the whole optimizer step (clip + fused AdamW),
+   torch's clip vs ours in place vs the clip handed to the optimizer, skipped
+   steps (time and bytes allocated), eager and compiled, fp32 and bf16.
 
 Also run if present: ``overflow`` (what ``overflow_safe=True`` costs).
 
@@ -48,7 +51,7 @@ import torch
 from bench import _report
 
 RESULTS = pathlib.Path(__file__).parent / "results"
-STUDIES = ("bandwidth", "leaves", "distributed", "ranks", "compile", "overflow", "features", "gpu")
+STUDIES = ("bandwidth", "leaves", "distributed", "ranks", "compile", "overflow", "features", "optimizer", "gpu")
 OPTIONAL = {"compile", "overflow"}  # written elsewhere; skipped with a note if absent
 COMPILE_LEAVES_FULL = [145, 1000]
 

@@ -14,6 +14,7 @@ from ._api import (
     clip_grads_with_norm,
     global_grad_norm,
 )
+from ._optim import clip_grad_norm_in_optimizer
 from ._params import ParamIndex, param_norm_index
 
 __all__ = [
@@ -23,6 +24,8 @@ __all__ = [
     "clip_grad_norm",
     # In place on p.grad: the drop-in for torchtitan-style trainers.
     "clip_grad_norm_",
+    # Handed to the optimizer's next step: fused kernels clip and skip as they read the grads.
+    "clip_grad_norm_in_optimizer",
     # A threshold that follows the run, step skipping, per-parameter norms.
     "adaptive_clip_grad_norm_",
     "adaptive_clip_grad_norm",

@@ -39,6 +39,7 @@ def global_grad_norm(
     norm_type: float = 2.0,
     *,
     pp_dim: PpDim = None,
+    pp_mesh: DeviceMesh | None = None,
     groups: None = None,
     tied: TiedSpec | None = None,
     partial: str = "error",
@@ -53,6 +54,7 @@ def global_grad_norm(
     norm_type: float = 2.0,
     *,
     pp_dim: PpDim = None,
+    pp_mesh: DeviceMesh | None = None,
     groups: GroupSpec,
     tied: TiedSpec | None = None,
     partial: str = "error",
@@ -67,6 +69,7 @@ def global_grad_norm(
     norm_type: float = 2.0,
     *,
     pp_dim: PpDim = None,
+    pp_mesh: DeviceMesh | None = None,
     groups: GroupSpec | None = None,
     tied: TiedSpec | None = None,
     partial: str = "error",
@@ -92,6 +95,11 @@ def global_grad_norm(
         pp_dim: Name(s) of the mesh dims whose coordinates hold different
             parts of the model (pipeline stages). Default: ``"pp"`` if the mesh
             has such a dim, else none.
+        pp_mesh: The pipeline mesh, as torchtitan passes it
+            (``parallel_dims.get_optional_mesh("pp")``): every rank's stage
+            is read from its layout in the root mesh, with no collective, so
+            any world mesh works, torchtitan's 1-D ``("world",)`` included.
+            With ``mesh=None`` the world is its root mesh. Not with ``pp_dim``.
         groups: Optional ``{label: pattern}``; a leaf belongs to the first
             group whose pattern matches its dotted name (see the README's
             "Names and patterns": ``"layers.0"`` matches
@@ -122,6 +130,8 @@ def global_grad_norm(
             or an option has the wrong type.
         ValueError: ``norm_type`` is negative and finite, ``pp_dim`` is not a
             dim of ``mesh``, this rank or a leaf's mesh lies outside ``mesh``,
+            a DTensor leaf lives on part of ``mesh`` and nothing says whether
+            the other ranks are replicas or other stages (pass ``pp_mesh``),
             a multi-dim world smaller than the process group was not
             flattened up front, a ``tied`` name matches no leaf, or a leaf
             has a ``Partial`` placement that cannot be handled. A rank that
@@ -139,7 +149,7 @@ def global_grad_norm(
         (tensor(5.2915), {'w': tensor(3.4641), 'h': tensor(4.)})
     """
     kind = norm_kind(norm_type)
-    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe)
+    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, pp_mesh=pp_mesh)
     measured = measure(lambda: grads, grads, "gradient", mesh, kind, opts)
     return measured.norms(groups is not None)
 
@@ -200,6 +210,7 @@ def clip_grad_norm(
     norm_type: float = 2.0,
     *,
     pp_dim: PpDim = None,
+    pp_mesh: DeviceMesh | None = None,
     eps: float = 1e-6,
     groups: None = None,
     tied: TiedSpec | None = None,
@@ -217,6 +228,7 @@ def clip_grad_norm(
     norm_type: float = 2.0,
     *,
     pp_dim: PpDim = None,
+    pp_mesh: DeviceMesh | None = None,
     eps: float = 1e-6,
     groups: GroupSpec,
     tied: TiedSpec | None = None,
@@ -234,6 +246,7 @@ def clip_grad_norm(
     norm_type: float = 2.0,
     *,
     pp_dim: PpDim = None,
+    pp_mesh: DeviceMesh | None = None,
     eps: float = 1e-6,
     groups: GroupSpec | None = None,
     tied: TiedSpec | None = None,
@@ -257,6 +270,7 @@ def clip_grad_norm(
             schedule.
         norm_type: ``p > 0``, ``0``, ``inf`` or ``-inf``.
         pp_dim: The pipeline dim name(s) of ``mesh`` (default ``"pp"`` if present).
+        pp_mesh: The pipeline mesh (see :func:`global_grad_norm`).
         eps: Added to the total norm before dividing.
         groups: Per-group norms (see :func:`global_grad_norm`).
         tied: Leaves held by several pipeline stages (see :func:`global_grad_norm`).
@@ -285,7 +299,7 @@ def clip_grad_norm(
     """
     _check_clip_args(max_norm, eps, nonfinite)
     kind = norm_kind(norm_type)
-    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe)
+    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, pp_mesh=pp_mesh)
     measured = measure(lambda: grads, grads, "gradient", mesh, kind, opts)
     scaled = _apply(measured.leaves.shards, max_norm, measured.total, eps, nonfinite, kind.p, inplace=False)
     clipped = measured.leaves.unflatten(_rewrap(measured.leaves, scaled))
@@ -300,6 +314,7 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     *,
     pp_dim: PpDim = None,
+    pp_mesh: DeviceMesh | None = None,
     eps: float = 1e-6,
     groups: None = None,
     tied: TiedSpec | None = None,
@@ -317,6 +332,7 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     *,
     pp_dim: PpDim = None,
+    pp_mesh: DeviceMesh | None = None,
     eps: float = 1e-6,
     groups: GroupSpec,
     tied: TiedSpec | None = None,
@@ -334,6 +350,7 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     *,
     pp_dim: PpDim = None,
+    pp_mesh: DeviceMesh | None = None,
     eps: float = 1e-6,
     groups: GroupSpec | None = None,
     tied: TiedSpec | None = None,
@@ -358,6 +375,7 @@ def clip_grad_norm_(
         max_norm: The largest norm allowed, a number or a 0-dim tensor.
         norm_type: ``p > 0``, ``0``, ``inf`` or ``-inf``.
         pp_dim: The pipeline dim name(s) of ``mesh`` (default ``"pp"`` if present).
+        pp_mesh: The pipeline mesh (see :func:`global_grad_norm`).
         eps: Added to the total norm before dividing.
         groups: Per-group norms (see :func:`global_grad_norm`).
         tied: Leaves held by several pipeline stages (see :func:`global_grad_norm`).
@@ -387,7 +405,7 @@ def clip_grad_norm_(
     _check_clip_args(max_norm, eps, nonfinite)
     kind = norm_kind(norm_type)
     parameters, read_grads = _grad_reader(parameters, "clip_grad_norm_")
-    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe)
+    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, pp_mesh=pp_mesh)
     measured = measure(read_grads, parameters, "parameter grad", mesh, kind, opts)
     _apply(measured.leaves.shards, max_norm, measured.total, eps, nonfinite, kind.p, inplace=True)
     return measured.norms(groups is not None)
@@ -407,6 +425,7 @@ def adaptive_clip_grad_norm_(
     skip_z: float | None = None,
     param_norms: ParamIndex | None = None,
     pp_dim: PpDim = None,
+    pp_mesh: DeviceMesh | None = None,
     eps: float = 1e-6,
     groups: GroupSpec | None = None,
     tied: TiedSpec | None = None,
@@ -453,8 +472,8 @@ def adaptive_clip_grad_norm_(
         param_norms: A :class:`ParamIndex` from :func:`param_norm_index`:
             every parameter's norm, of the whole model, on every rank, from
             the same collective.
-        pp_dim, eps, groups, tied, partial, nonfinite, overflow_safe: As
-            :func:`clip_grad_norm_`.
+        pp_dim, pp_mesh, eps, groups, tied, partial, nonfinite,
+            overflow_safe: As :func:`clip_grad_norm_`.
 
     Returns:
         A :class:`ClipStats`: the norm before clipping, the threshold, the
@@ -483,7 +502,7 @@ def adaptive_clip_grad_norm_(
     check_adaptive_args(state, z, alpha, warmup, skip_z)
     kind = norm_kind(norm_type)
     parameters, read_grads = _grad_reader(parameters, "adaptive_clip_grad_norm_")
-    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, param_norms)
+    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, param_norms, pp_mesh)
     measured = measure(read_grads, parameters, "parameter grad", mesh, kind, opts)
     stats = _adapt(measured, state, max_norm, z, alpha, warmup, skip_z, groups is not None)
     _apply(measured.leaves.shards, stats.threshold, measured.total, eps, nonfinite, kind.p, inplace=True)
@@ -504,6 +523,7 @@ def adaptive_clip_grad_norm(
     skip_z: float | None = None,
     param_norms: ParamIndex | None = None,
     pp_dim: PpDim = None,
+    pp_mesh: DeviceMesh | None = None,
     eps: float = 1e-6,
     groups: GroupSpec | None = None,
     tied: TiedSpec | None = None,
@@ -516,8 +536,8 @@ def adaptive_clip_grad_norm(
     Args:
         grads: A pytree of ``torch.Tensor``/``DTensor`` gradients or ``None``.
         mesh, state, norm_type, max_norm, z, alpha, warmup, skip_z,
-            param_norms, pp_dim, eps, groups, tied, partial, nonfinite,
-            overflow_safe: As :func:`adaptive_clip_grad_norm_`.
+            param_norms, pp_dim, pp_mesh, eps, groups, tied, partial,
+            nonfinite, overflow_safe: As :func:`adaptive_clip_grad_norm_`.
 
     Returns:
         The clipped gradients, with the structure of ``grads``, and a
@@ -533,7 +553,7 @@ def adaptive_clip_grad_norm(
     _check_clip_args(max_norm, eps, nonfinite)
     check_adaptive_args(state, z, alpha, warmup, skip_z)
     kind = norm_kind(norm_type)
-    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, param_norms)
+    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, param_norms, pp_mesh)
     measured = measure(lambda: grads, grads, "gradient", mesh, kind, opts)
     stats = _adapt(measured, state, max_norm, z, alpha, warmup, skip_z, groups is not None)
     scaled = _apply(measured.leaves.shards, stats.threshold, measured.total, eps, nonfinite, kind.p, inplace=False)

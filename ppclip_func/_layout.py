@@ -9,10 +9,16 @@ of ranks holding any given element of that leaf:
 * a ``Shard`` (or ``_StridedShard``) mesh dim of the leaf splits elements over
   its coordinates: each element lives on one of them (factor 1);
 * a ``Replicate`` mesh dim of the leaf copies every element (factor = dim size);
-* a dim of the world mesh outside the leaf's own mesh is a pipeline dim
-  (different parameters at each coordinate, factor 1) when named in
-  ``pp_dim``, otherwise a replica dim (factor = dim size). A plain tensor leaf
-  has no mesh of its own, so it is replicated over every non-pipeline dim.
+* ranks of the world outside the leaf's own mesh hold other pipeline stages
+  (different parameters, factor 1) or replicas (factor = how many). Where the
+  stages are is said by the pipeline dims of the world mesh (``pp_dim``, or a
+  dim named ``"pp"``) or by the pipeline mesh itself (``pp_mesh``, as
+  torchtitan passes it): DeviceMesh keeps the layout of every mesh unflattened
+  from its root, which gives every rank's stage without a collective. Without
+  either, the other ranks are replicas only when the leaf's mesh is whole dims
+  of the world mesh; any other leaf mesh smaller than the world is ambiguous
+  (torchtitan's 1-D root mesh with PP) and raises instead of guessing. A plain
+  tensor leaf has no mesh of its own, so it is replicated over its stage.
 
 All of this is static Python on mesh shapes and placements: no collective, no
 tensor value read. Max and min norms do not need weights (a replica repeats
@@ -21,6 +27,7 @@ the same value and ``max``/``min`` are idempotent).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -45,12 +52,22 @@ class World:
             rank of ``mesh``.
         group_name: Name of the process group spanning ``mesh``, or ``None``
             when no collective is needed.
+        rank_coord: With no pipeline information, every rank's coordinate in
+            ``mesh`` (and ``shape`` its shape), to tell a leaf mesh made of
+            whole dims of the world (the other ranks are replicas) from one
+            that is not (ambiguous); ``None`` when the stages are known or
+            the world is the leaves' own largest mesh (``mesh=None``).
+        shape: The world mesh's shape, with ``rank_coord``.
+        size: Its number of ranks, with ``rank_coord`` (dynamo guards on a dict's ``len``; this it reads).
     """
 
     mesh: DeviceMesh | None
     stage_size: int
     rank_stage: dict[int, tuple[int, ...]]
     group_name: str | None
+    rank_coord: dict[int, tuple[int, ...]] | None = None
+    shape: tuple[int, ...] = ()
+    size: int = 0
 
 
 # Layout facts cached across calls. They belong to one process group: a group
@@ -81,6 +98,29 @@ def _own_caches() -> None:
         _CACHE_OWNER[0] = group
 
 
+# Where the pipeline stages are: the indices of the world mesh's pipeline dims, or the pipeline mesh.
+Stages = tuple[int, ...] | DeviceMesh
+
+
+def pipeline_stages(mesh: DeviceMesh | None, pp_dim: str | Sequence[str] | None, pp_mesh: DeviceMesh | None) -> Stages:
+    """Returns what says where the pipeline stages are: ``pp_mesh``, or the pipeline dims of ``mesh``.
+
+    Raises:
+        TypeError: ``pp_mesh`` is not a DeviceMesh.
+        ValueError: Both ``pp_dim`` and ``pp_mesh`` are given, ``pp_dim`` names
+            a dim the mesh does not have, or this rank is not in ``pp_mesh``.
+    """
+    if pp_mesh is None:
+        return pipeline_dims(mesh, pp_dim)
+    if not isinstance(pp_mesh, DeviceMesh):
+        raise TypeError(f"pp_mesh must be a DeviceMesh or None, got {type(pp_mesh).__name__}")
+    if pp_dim is not None:
+        raise ValueError(f"pass pp_dim or pp_mesh, not both (got pp_dim={pp_dim!r} and pp_mesh={pp_mesh})")
+    if pp_mesh.get_coordinate() is None:
+        raise ValueError(f"this rank ({dist.get_rank()}) is not part of pp_mesh {pp_mesh}")
+    return pp_mesh
+
+
 def pipeline_dims(mesh: DeviceMesh | None, pp_dim: str | Sequence[str] | None) -> tuple[int, ...]:
     """Returns the indices of the pipeline dims of ``mesh``.
 
@@ -101,10 +141,11 @@ def pipeline_dims(mesh: DeviceMesh | None, pp_dim: str | Sequence[str] | None) -
     return tuple(sorted(names.index(n) for n in wanted))
 
 
-def resolve_world(mesh: DeviceMesh | None, pp_dims: tuple[int, ...], leaf_meshes: Sequence[DeviceMesh]) -> World:
+def resolve_world(mesh: DeviceMesh | None, stages: Stages, leaf_meshes: Sequence[DeviceMesh]) -> World:
     """Returns the world a clip reduces over.
 
-    With ``mesh=None`` the world is the largest mesh among the DTensor leaves
+    With ``mesh=None`` the world is the root of the pipeline mesh when there
+    is one (every stage); else the largest mesh among the DTensor leaves
     (every other leaf mesh must lie inside it), so DTensors are reduced over
     their own ranks as ``full_tensor()`` would; with no DTensor leaves there is
     nothing to reduce.
@@ -114,29 +155,32 @@ def resolve_world(mesh: DeviceMesh | None, pp_dims: tuple[int, ...], leaf_meshes
 
     Raises:
         ValueError: This rank is not in ``mesh``, (with ``mesh=None``) the
-            leaf meshes do not nest in one of them, or a multi-dim world
+            leaf meshes do not nest in one of them, ``pp_mesh`` does not
+            place every rank of the world in a stage, or a multi-dim world
             smaller than the process group has no process group of its own
             (see :func:`_group_name`).
     """
+    if mesh is None and isinstance(stages, DeviceMesh):
+        mesh = stages._get_root_mesh()
     if torch.compiler.is_compiling():
         # Traced once; the caches are Python dicts keyed by meshes, which dynamo would guard on.
         if mesh is None:
             if not leaf_meshes:
                 return World(mesh=None, stage_size=1, rank_stage={}, group_name=None)
-            mesh = _largest_nesting(leaf_meshes)
-        return _make_world(mesh, pp_dims)
+            return _make_world(_largest_nesting(leaf_meshes), stages, False)
+        return _make_world(mesh, stages, True)
     _own_caches()
     if mesh is None:
         if not leaf_meshes:
             return _NO_WORLD
         unique = tuple(dict.fromkeys(leaf_meshes))  # typically 1-3 meshes for 1000s of leaves
-        key: tuple = (None, unique, pp_dims)
+        key: tuple = (None, unique, stages)
         if key not in _WORLDS:
-            _WORLDS[key] = _make_world(_largest_nesting(unique), pp_dims)
+            _WORLDS[key] = _make_world(_largest_nesting(unique), stages, False)
         return _WORLDS[key]
-    key = (mesh, pp_dims)
+    key = (mesh, stages)
     if key not in _WORLDS:
-        _WORLDS[key] = _make_world(mesh, pp_dims)
+        _WORLDS[key] = _make_world(mesh, stages, True)
     return _WORLDS[key]
 
 
@@ -159,24 +203,98 @@ def _largest_nesting(leaf_meshes: Sequence[DeviceMesh]) -> DeviceMesh:
 # as data-dependent reads of a tensor; these read static mesh facts only, so they
 # run eagerly at trace time and their results enter the graph as constants.
 @torch.compiler.assume_constant_result
-def _make_world(mesh: DeviceMesh, pp_dims: tuple[int, ...]) -> World:
+def _make_world(mesh: DeviceMesh, stages: Stages, strict: bool) -> World:
     if mesh.get_coordinate() is None:
         raise ValueError(f"this rank ({dist.get_rank()}) is not part of the mesh {mesh}")
-    return world_from_table(mesh, mesh.mesh.tolist(), tuple(mesh.shape), pp_dims, _group_name(mesh))
+    group = _group_name(mesh)
+    if isinstance(stages, DeviceMesh):
+        return world_from_stage_table(mesh, mesh.mesh.flatten().tolist(), stage_table(stages), group)
+    return world_from_table(mesh, mesh.mesh.tolist(), tuple(mesh.shape), stages, group, strict=strict)
 
 
 def world_from_table(
-    mesh: DeviceMesh | None, table: list, shape: tuple[int, ...], pp_dims: tuple[int, ...], group_name: str | None
+    mesh: DeviceMesh | None,
+    table: list,
+    shape: tuple[int, ...],
+    pp_dims: tuple[int, ...],
+    group_name: str | None,
+    *,
+    strict: bool = False,
 ) -> World:
-    """Builds a :class:`World` from the mesh's nested list of global ranks."""
+    """Builds a :class:`World` from the mesh's nested list of global ranks.
+
+    With ``strict`` and no pipeline dims, the world keeps every rank's
+    coordinate, so that a leaf on part of it is checked (:func:`replica_count`).
+    """
     rank_stage: dict[int, tuple[int, ...]] = {}
+    rank_coord: dict[int, tuple[int, ...]] = {}
     for coord in _coordinates(shape):
         rank = table
         for c in coord:
             rank = rank[c]
         rank_stage[rank] = tuple(coord[d] for d in pp_dims)
+        rank_coord[rank] = coord
     stage_size = math.prod(shape) // math.prod(shape[d] for d in pp_dims)
-    return World(mesh=mesh, stage_size=stage_size, rank_stage=rank_stage, group_name=group_name)
+    keep = strict and not pp_dims
+    if not keep:
+        return World(mesh, stage_size, rank_stage, group_name)
+    return World(mesh, stage_size, rank_stage, group_name, rank_coord, shape, math.prod(shape))
+
+
+def world_from_stage_table(
+    mesh: DeviceMesh | None, ranks: Sequence[int], stage_of: dict[int, tuple[int, ...]], group_name: str | None
+) -> World:
+    """Builds a :class:`World` over ``ranks`` whose pipeline stages are given rank by rank.
+
+    Raises:
+        ValueError: A rank of the world is in no stage, or the stages hold
+            different numbers of the world's ranks (not SPMD).
+    """
+    missing = [r for r in ranks if r not in stage_of]
+    if missing:
+        raise ValueError(f"ranks {missing[:8]} of the world mesh {mesh} are in no stage of pp_mesh")
+    rank_stage = {r: stage_of[r] for r in ranks}
+    sizes = collections.Counter(rank_stage.values())
+    if len(set(sizes.values())) != 1:
+        raise ValueError(
+            f"the pipeline stages of pp_mesh hold different numbers of the ranks of {mesh} ({dict(sizes)}); "
+            "pass the world mesh that spans every stage"
+        )
+    return World(mesh, len(ranks) // len(sizes), rank_stage, group_name)
+
+
+def stage_table(pp_mesh: DeviceMesh) -> dict[int, tuple[int, ...]]:
+    """Returns every rank's pipeline stage (its coordinate in its copy of ``pp_mesh``), with no collective.
+
+    A DeviceMesh made by unflattening or slicing keeps its layout in the
+    root mesh's ranks; the layout's copies tile the root, one per
+    combination of the other dims, and a rank's place in its copy is its
+    stage.
+
+    Raises:
+        ValueError: ``pp_mesh`` has no layout (a torch without DeviceMesh
+            layouts), or its copies do not tile the root (a rank in two stages).
+    """
+    layout, rank_map = getattr(pp_mesh, "_layout", None), getattr(pp_mesh, "_rank_map", None)
+    if layout is None or rank_map is None:
+        raise ValueError(f"pp_mesh {pp_mesh} does not carry the layout of its root mesh (torch DeviceMesh >= 2.9)")
+    copies = layout.remap_to_tensor(rank_map).reshape(-1, pp_mesh.size()).tolist()
+    shape = tuple(pp_mesh.shape)
+    stage_of: dict[int, tuple[int, ...]] = {}
+    for copy in copies:
+        for rank, coord in zip(copy, _coordinates(shape)):
+            if stage_of.setdefault(rank, coord) != coord:
+                raise ValueError(f"rank {rank} is in two stages of pp_mesh {pp_mesh}")
+    return stage_of
+
+
+def _whole_dims(world: World, ranks: Sequence[int]) -> bool:
+    """Whether ``ranks`` are every rank along some dims of the world mesh, at one coordinate of the others."""
+    coords = [world.rank_coord[r] for r in ranks]  # type: ignore[index]
+    varying = [d for d in range(len(world.shape)) if len({c[d] for c in coords}) > 1]
+    # The ranks agree on every other dim, so they are distinct points of the varying dims' grid:
+    # all of it exactly when there are as many of them as it has points.
+    return len(set(ranks)) == math.prod([world.shape[d] for d in varying])
 
 
 def _coordinates(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -270,6 +388,15 @@ def replica_count(world: World, ranks: Sequence[int], shape: tuple[int, ...], pl
     foreign = [r for r in ranks if r not in world.rank_stage]
     if foreign:
         raise ValueError(f"lives on a mesh whose ranks {foreign} are not in the world mesh {world.mesh}")
+    if world.rank_coord is not None and len(ranks) < world.size and not _whole_dims(world, ranks):
+        raise ValueError(
+            f"lives on a mesh of {len(ranks)} of the {world.size} ranks of the world mesh {world.mesh}, "
+            "and nothing says whether the other ranks hold replicas of it or other pipeline stages. With "
+            "pipeline parallelism pass the pipeline mesh, pp_mesh=... (torchtitan: "
+            "parallel_dims.get_optional_mesh('pp')), or a world mesh with a 'pp' dim (pp_dim=...); without it, "
+            "pass a world mesh whose dims include the leaf's (torchtitan: "
+            "parallel_dims.get_activated_mesh(['pp', 'batch', 'cp', 'tp']))"
+        )
     replicas = math.prod([n for n, p in zip(shape, placements) if p.is_replicate()])  # dynamo: no genexpr
     holders = world.stage_size * len({world.rank_stage[r] for r in ranks})
     if holders % len(ranks):

@@ -17,7 +17,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ._layout import World, count_copies, pipeline_dims, resolve_world
+from ._layout import World, count_copies, pipeline_stages, resolve_world
 from ._local import STAT_DTYPE, leaf_statistics, local_statistics
 from ._norms import ABSENT, HAS_ELEMENT, HAS_LEAF, NormKind
 from ._params import ParamIndex, leaf_slots
@@ -42,6 +42,7 @@ class NormOptions:
     partial: str = "error"
     overflow_safe: bool = False
     params: ParamIndex | None = None
+    pp_mesh: DeviceMesh | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +87,7 @@ def measure(
         leaves = flatten_grads(read_grads(), what)
         world, stats, labels = _local_part(leaves, mesh, kind, opts)
     except Exception:
-        release_peers(mesh, given, kind, opts.pp_dim, _n_entries(opts))
+        release_peers(mesh, given, kind, opts.pp_dim, opts.pp_mesh, _n_entries(opts))
         raise
     n = len(labels) + 1
     per_entry, total = kind.decode(
@@ -119,7 +120,7 @@ def _local_part(
         raise TypeError(f"param_norms must be a ParamIndex from param_norm_index(), got {type(opts.params).__name__}")
     labels = check_groups(opts.groups)
     check_tied(opts.tied)
-    pp = pipeline_dims(mesh, opts.pp_dim)
+    stages = pipeline_stages(mesh, opts.pp_dim, opts.pp_mesh)
 
     names = leaves.names() if (opts.groups or opts.tied) else None
     tensors, shards = list(leaves.tensors), list(leaves.shards)
@@ -129,14 +130,14 @@ def _local_part(
                 tensors[i] = _for_leaf(leaves, i, reduce_partial, t)
                 shards[i] = tensors[i].to_local()
     leaf_meshes = [t.device_mesh for t in tensors if isinstance(t, DTensor)] if leaves.has_dtensor else []
-    world = resolve_world(mesh, pp, leaf_meshes)
-    stages = tied_stages(names, opts.tied) if names is not None else None
-    if not leaf_meshes and stages is None:
+    world = resolve_world(mesh, stages, leaf_meshes)
+    tied_n = tied_stages(names, opts.tied) if names is not None else None
+    if not leaf_meshes and tied_n is None:
         # Plain, untied tensors: each is held by every rank of its stage (no per-leaf call on 10^4 leaves).
         weights = [1.0 / world.stage_size] * len(tensors)
     else:
         weights = [
-            1.0 / (_for_leaf(leaves, i, count_copies, world, t) * (stages[i] if stages else 1))
+            1.0 / (_for_leaf(leaves, i, count_copies, world, t) * (tied_n[i] if tied_n else 1))
             for i, t in enumerate(tensors)
         ]
     # Leaves in no group form one more group, so the total covers every leaf.

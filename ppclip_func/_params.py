@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ._layout import pipeline_dims, resolve_world
+from ._layout import pipeline_stages, resolve_world
 from ._tree import flatten_grads
 
 __all__: list[str] = []
@@ -70,7 +70,11 @@ class ParamIndex:
 
 
 def param_norm_index(
-    params: Any, mesh: DeviceMesh | None, *, pp_dim: str | tuple[str, ...] | None = None
+    params: Any,
+    mesh: DeviceMesh | None,
+    *,
+    pp_dim: str | tuple[str, ...] | None = None,
+    pp_mesh: DeviceMesh | None = None,
 ) -> ParamIndex:
     """Lays out one slot per parameter of the whole model, for per-parameter norms in the one collective.
 
@@ -86,6 +90,7 @@ def param_norm_index(
             as the clip will be given it; ``None`` leaves are allowed.
         mesh: The world mesh the clip reduces over, or ``None``.
         pp_dim: The pipeline dim name(s), as for the clip.
+        pp_mesh: The pipeline mesh, as for the clip.
 
     Returns:
         A :class:`ParamIndex`, the same ``names`` on every rank.
@@ -111,7 +116,7 @@ def param_norm_index(
             raise ValueError(f"parameter name {name!r} appears twice in this rank's tree; pass named parameters")
         seen.add(name)
     leaf_meshes = [t.device_mesh for t in leaves.tensors if isinstance(t, DTensor)]
-    world = resolve_world(mesh, pipeline_dims(mesh, pp_dim), leaf_meshes)
+    world = resolve_world(mesh, pipeline_stages(mesh, pp_dim, pp_mesh), leaf_meshes)
     if world.group_name is None:
         gathered = [mine]
     else:

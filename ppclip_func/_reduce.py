@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils import _pytree as pytree
 
-from ._layout import World, pipeline_dims, resolve_world
+from ._layout import World, pipeline_stages, resolve_world
 from ._norms import NormKind, norm_kind
 
 __all__: list[str] = []
@@ -74,7 +74,9 @@ def mesh_device(mesh: DeviceMesh | None) -> torch.device:
     return torch.device(mesh.device_type, module.current_device())
 
 
-def release_peers(mesh: DeviceMesh | None, grads: Any, kind: NormKind, pp_dim: Any, n_groups: int) -> None:
+def release_peers(
+    mesh: DeviceMesh | None, grads: Any, kind: NormKind, pp_dim: Any, pp_mesh: Any, n_groups: int
+) -> None:
     """Joins the statistics all-reduce with a poison that makes every group's norm NaN on every rank.
 
     Called by a rank that failed before its collective, whatever the error,
@@ -94,32 +96,33 @@ def release_peers(mesh: DeviceMesh | None, grads: Any, kind: NormKind, pp_dim: A
             ``mesh=None`` its DTensor leaves name the world, as in the clip.
         kind: The norm being computed.
         pp_dim: The caller's ``pp_dim`` argument.
+        pp_mesh: The caller's ``pp_mesh`` argument.
         n_groups: Number of groups, including the one for leaves in no group.
     """
     leaf_meshes = (
         [] if mesh is not None else [x.device_mesh for x in pytree.tree_leaves(grads) if isinstance(x, DTensor)]
     )
     if torch.compiler.is_compiling():
-        _join_at_trace_time(mesh, tuple(leaf_meshes), kind.p, pp_dim, n_groups)
+        _join_at_trace_time(mesh, tuple(leaf_meshes), kind.p, pp_dim, pp_mesh, n_groups)
     else:
-        _join(mesh, leaf_meshes, kind, pp_dim, n_groups)
+        _join(mesh, leaf_meshes, kind, pp_dim, pp_mesh, n_groups)
 
 
 @torch.compiler.assume_constant_result
-def _join_at_trace_time(mesh: Any, leaf_meshes: Any, p: float, pp_dim: Any, n_groups: int) -> bool:
+def _join_at_trace_time(mesh: Any, leaf_meshes: Any, p: float, pp_dim: Any, pp_mesh: Any, n_groups: int) -> bool:
     # Dynamo calls this with the real arguments (plain values: it does not pass
     # a NormKind through intact) and runs it eagerly; tensors made while
     # tracing are fake, so the poison is made outside the fake mode.
     with torch._subclasses.fake_tensor.unset_fake_temporarily():
-        _join(mesh, list(leaf_meshes), norm_kind(p), pp_dim, n_groups)
+        _join(mesh, list(leaf_meshes), norm_kind(p), pp_dim, pp_mesh, n_groups)
     return True
 
 
-def _join(mesh: Any, leaf_meshes: list, kind: NormKind, pp_dim: Any, n_groups: int) -> None:
+def _join(mesh: Any, leaf_meshes: list, kind: NormKind, pp_dim: Any, pp_mesh: Any, n_groups: int) -> None:
     try:
         if mesh is not None and not isinstance(mesh, DeviceMesh):
             return
-        world = resolve_world(mesh, pipeline_dims(mesh, pp_dim), leaf_meshes)
+        world = resolve_world(mesh, pipeline_stages(mesh, pp_dim, pp_mesh), leaf_meshes)
     except Exception:
         return
     if world.group_name is None:

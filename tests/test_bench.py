@@ -22,7 +22,7 @@ from bench import _allocator
 from tests._processes import python, run_bounded
 
 TIMEOUT_S = 420
-STUDIES = ("bandwidth", "leaves", "distributed", "ranks", "features")
+STUDIES = ("bandwidth", "leaves", "distributed", "ranks", "features", "optimizer")
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="tests/_processes.py reads /proc")
 
@@ -220,3 +220,17 @@ def test_gpu_study_runs_its_variants_on_the_cpu_at_smoke_size(tmp_path: pathlib.
     assert set(d["fraction_of_bound"]) == set(d["ms"]) - {"bound_inplace", "bound_pure"}
     _positive_numbers(d["ms"], "gpu ms")
     _positive_numbers(d["fraction_of_bound"], "gpu fraction_of_bound")
+
+
+def test_optimizer_schema_and_what_a_skipped_step_allocates(results: pathlib.Path):
+    data = _load(results, "optimizer")
+    assert {s["dtype"] for s in data["settings"]} == {"float32", "bfloat16"}
+    for s in data["settings"]:
+        _positive_numbers(s["eager_ms"], f"{s['setting']} eager_ms")
+        _positive_numbers(s["eager_ratio_vs_torch"], f"{s['setting']} eager_ratio_vs_torch")
+        b = s["bytes_allocated"]
+        # Not a timing: what is allocated. A step skipped by the fused kernel allocates nothing
+        # beyond the norm's own statistics; the undo-based skip copies every parameter at least.
+        assert b["handed_skipped"] - b["norm_only"] < 0.01 * s["grad_bytes"], b
+        assert b["skip_update"] >= s["grad_bytes"], b
+    assert "### 8. The whole optimizer step" in (results / "summary.md").read_text()

@@ -45,6 +45,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils import _pytree as pytree
 
 from ppclip_func import clip_grad_norm, clip_grad_norm_
+from ppclip_func.torchtitan import clip_grad_norm_ as titan_clip_grad_norm_
 from tests._fake_pg import fake_world
 
 NORM_TYPES = (2.0, 1.0, 3.5, 0.0, math.inf, -math.inf)
@@ -408,3 +409,37 @@ def test_a_sub_mesh_world_differs_across_groups_only_by_the_group_name():
     for a, b in zip(stage0_a[:2], stage1[:2]):
         assert a != b
         assert a.replace(repr(stage0_a[3]), "GROUP") == b.replace(repr(stage1[3]), "GROUP")
+
+
+# --- 5: torchtitan's meshes: the 1-D root mesh with pp_mesh, and the drop-in --------------------
+
+
+@pytest.mark.parametrize("world_size", [8, 512])
+def test_pp_mesh_on_the_1d_root_mesh_compiles_to_one_graph_one_all_reduce(world_size):
+    with fake_world(world_size, world_size - 1):
+        root = init_device_mesh("cpu", (world_size,), mesh_dim_names=("world",))
+        full = root._unflatten(0, (2, world_size // 4, 2), ("pp", "dp_shard", "tp"))
+        stage = full["dp_shard", "tp"]
+        grads = {
+            "w": _dtensor(torch.randn(4, 8), stage, [Shard(0), Replicate()], (4 * world_size // 4, 8)),
+            "b": torch.randn(5),
+        }
+        pp_mesh = full["pp"]
+        for mesh in (root, None):
+            backend = CaptureBackend()
+
+            def step(grads: Any, max_norm: torch.Tensor, mesh: DeviceMesh | None = mesh) -> Any:
+                return clip_grad_norm(grads, mesh, max_norm, pp_mesh=pp_mesh)
+
+            got = torch.compile(step, backend=backend, fullgraph=True)(grads, torch.tensor(0.25))
+            assert_one_graph_one_collective(backend)
+            assert_same_result(got, clip_grad_norm(grads, mesh, torch.tensor(0.25), pp_mesh=pp_mesh))
+            torch._dynamo.reset()
+
+        # torchtitan's call, through the drop-in: no world mesh at all, the stages from pp_mesh.
+        backend = CaptureBackend()
+        dropin = torch.compile(titan_clip_grad_norm_, backend=backend, fullgraph=True)
+        total = dropin(list(as_parameters(grads).values()), 0.25, foreach=True, pp_mesh=pp_mesh)
+        assert_one_graph_one_collective(backend)
+        assert_same_result(total, got[1])
+        torch._dynamo.reset()

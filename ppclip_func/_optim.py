@@ -1,0 +1,232 @@
+"""The clip handed to the optimizer: the gradients read once, a skipped step that copies nothing.
+
+A clip followed by an optimizer step reads the gradients three times (the
+norm, the scaling, the step) and a skipped step, done by undoing it
+(:func:`~ppclip_func.skip_update_`), copies every parameter and moment. torch's
+fused optimizers (``Adam``, ``AdamW`` and ``SGD`` with ``fused=True``) already
+take what a clip and a skip need, the way ``torch.amp.GradScaler`` uses them:
+a ``grad_scale`` tensor the kernel divides every gradient by, and a
+``found_inf`` tensor that, when non-zero, leaves parameters, moments and step
+count untouched. So the clip measures the norm (its one collective), and
+hands ``grad_scale = 1 / coefficient`` and ``found_inf = skip`` to the
+optimizer, as attributes that the optimizer's next ``step()`` reads and that
+a one-shot step post-hook removes: a later step without a clip is a plain
+step. Nothing is read on the host and no gradient is written by the clip.
+
+Other optimizers (``foreach``/for-loop, Muon, anything without
+``_step_supports_amp_scaling``) get the fallback: their gradients are scaled
+in place (one ``_foreach_mul_``), and a skip replaces their next ``step()``
+by one that reads the skip flag on the host (one sync, which a trainer that
+logs the norm pays anyway) and returns without stepping when it is set.
+
+Containers of optimizers (torchtitan's ``OptimizersContainer``, anything
+with an ``optimizers`` list) are handled optimizer by optimizer. Everything
+here is eager: an ``optimizer.step()`` is a graph break by design in torch,
+and under ``torch.compile`` the traced clip and
+:func:`~ppclip_func.select_update` / :func:`~ppclip_func.skip_update_` fuse
+into the compiled functional step instead (see the README).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from ._api import _check_clip_args, _grad_reader
+from ._measure import GroupNorms, NormOptions, PpDim, measure
+from ._norms import norm_kind
+from ._paths import GroupSpec, TiedSpec
+from ._scale import clip_coefficient, finite_mask, scale
+
+__all__: list[str] = []
+
+_HANDED = "_ppclip_handed"  # the attribute marking an optimizer that holds a handed-over clip
+
+
+def optimizers_of(optimizer: Any) -> list[Optimizer]:
+    """Returns the torch optimizers behind ``optimizer``: itself, or a container's ``optimizers``.
+
+    Raises:
+        TypeError: Neither a ``torch.optim.Optimizer`` nor a container of them.
+    """
+    inner = getattr(optimizer, "optimizers", None)
+    if isinstance(inner, (list, tuple)):
+        found = [o for item in inner for o in optimizers_of(item)]
+    elif isinstance(optimizer, Optimizer):
+        found = [optimizer]
+    elif isinstance(optimizer, (list, tuple)):
+        found = [o for item in optimizer for o in optimizers_of(item)]
+    else:
+        raise TypeError(
+            "optimizer must be a torch.optim.Optimizer, a list of them, or a container with an `optimizers` "
+            f"list (torchtitan's OptimizersContainer), got {type(optimizer).__name__}"
+        )
+    return found
+
+
+# torch's optimizers whose step passes ``self.grad_scale`` and ``self.found_inf`` to a fused kernel.
+_FUSED_TYPES = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
+
+
+def takes_scale(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer.step()`` applies ``grad_scale`` and ``found_inf`` itself (torch's fused kernels).
+
+    Read from the parameter groups, not from ``_step_supports_amp_scaling``:
+    torchtitan puts ``fused=True`` in each group, and torch sets that flag only
+    for a ``fused=True`` constructor argument. Every group must be fused (a
+    non-fused group of the same optimizer rejects a ``grad_scale``).
+    """
+    return isinstance(optimizer, _FUSED_TYPES) and all(g.get("fused") for g in optimizer.param_groups)
+
+
+def hand_over(optimizers: Iterable[Optimizer], coef: torch.Tensor, skip: torch.Tensor | None) -> None:
+    """Arranges for each optimizer's next ``step()`` to clip by ``coef`` and to skip where ``skip``.
+
+    Args:
+        optimizers: Torch optimizers (:func:`optimizers_of`).
+        coef: The 0-dim clip coefficient (at most 1).
+        skip: A 0-dim bool tensor, or ``None`` for never.
+    """
+    for opt in optimizers:
+        if takes_scale(opt):
+            _hand_to_fused(opt, coef, skip)
+        else:
+            scale(_local_grads(opt), coef, inplace=True)
+            if skip is not None:
+                _skip_next_step(opt, skip)
+
+
+def _hand_to_fused(opt: Optimizer, coef: torch.Tensor, skip: torch.Tensor | None) -> None:
+    # The kernel divides by grad_scale in float32; 1 / coef is exact where coef is a power of two
+    # and otherwise within one rounding of multiplying by coef.
+    handed = opt.__dict__.get(_HANDED)
+    if handed is None:  # not stepped since an earlier hand-over: this one replaces it
+        handed = opt.__dict__[_HANDED] = {"hook": opt.register_step_post_hook(_take_back)}
+    handed["grad_scale"] = opt.grad_scale = torch.reciprocal(coef.to(torch.float32))  # type: ignore[attr-defined]
+    found = torch.zeros((), dtype=torch.float32, device=coef.device) if skip is None else skip.to(torch.float32)
+    handed["found_inf"] = opt.found_inf = found  # type: ignore[attr-defined]
+
+
+def _take_back(opt: Optimizer, args: Any, kwargs: Any) -> None:
+    """Step post-hook: the handed-over clip was used by this step; the next one is plain.
+
+    Only this clip's own tensors are removed: a ``GradScaler`` that set its
+    own (its product of scales, its ``found_inf``) removes them itself.
+    """
+    handed = opt.__dict__.pop(_HANDED)
+    for name in ("grad_scale", "found_inf"):
+        if opt.__dict__.get(name) is handed[name]:
+            delattr(opt, name)
+    handed["hook"].remove()
+
+
+def _local_grads(opt: Optimizer) -> list[torch.Tensor]:
+    grads = [p.grad for group in opt.param_groups for p in group["params"] if p.grad is not None]
+    return [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+
+
+def _skip_next_step(opt: Optimizer, skip: torch.Tensor) -> None:
+    """Replaces ``opt.step`` for one call by one that does nothing where ``skip`` is true (one host read)."""
+    step = type(opt).step.__get__(opt)  # the class's (hooked) step, not a wrapper left by an earlier call
+
+    def step_unless_skipped(*args: Any, **kwargs: Any) -> Any:
+        del opt.step  # one call: the class's step again from now on
+        if bool(skip):
+            return None
+        return step(*args, **kwargs)
+
+    opt.step = step_unless_skipped  # type: ignore[method-assign]
+
+
+NONFINITE_IN_OPTIMIZER = ("propagate", "skip", "error")
+
+
+@torch.no_grad()
+def clip_grad_norm_in_optimizer(
+    optimizer: Any,
+    parameters: torch.Tensor | Iterable[torch.Tensor] | Any,
+    mesh: DeviceMesh | None,
+    max_norm: float | torch.Tensor,
+    norm_type: float = 2.0,
+    *,
+    pp_dim: PpDim = None,
+    pp_mesh: DeviceMesh | None = None,
+    eps: float = 1e-6,
+    groups: GroupSpec | None = None,
+    tied: TiedSpec | None = None,
+    partial: str = "error",
+    nonfinite: str = "propagate",
+    overflow_safe: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, GroupNorms]:
+    """Measures the global norm now and hands the clip to ``optimizer``'s next ``step()``.
+
+    The norm is that of :func:`~ppclip_func.clip_grad_norm_` (the same one
+    collective, the same options). Nothing is scaled here for torch's fused
+    optimizers (``fused=True`` Adam, AdamW, SGD): their next ``step()``
+    divides each gradient by ``1 / coefficient`` as it reads it, so the
+    gradients are read once for the norm and once for the step. Other
+    optimizers get their gradients scaled in place here (as
+    :func:`~ppclip_func.clip_grad_norm_` does). The trainer's own
+    ``optimizer.step()`` stays as it is, wherever it is called; the step
+    after it is a plain one.
+
+    On CPU, torch's fused kernels write the clipped gradients back into
+    ``.grad``; on CUDA ``.grad`` keeps the unclipped values (the step uses
+    the clipped ones). Eager only: see the module docstring for compiled
+    steps. Not combined with ``torch.amp.GradScaler`` (its ``found_inf`` and
+    scale replace what is handed over).
+
+    Args:
+        optimizer: A ``torch.optim.Optimizer``, a list of them, or a
+            container with an ``optimizers`` list (torchtitan's
+            ``OptimizersContainer``).
+        parameters: The parameters whose gradients are measured, as for
+            :func:`~ppclip_func.clip_grad_norm_` (all of the model's, on
+            this rank).
+        mesh, max_norm, norm_type, pp_dim, pp_mesh, eps, groups, tied,
+            partial, overflow_safe: As :func:`~ppclip_func.clip_grad_norm_`.
+        nonfinite: ``"propagate"`` (torch's behaviour: a NaN norm makes a
+            NaN step), ``"skip"`` (the step is skipped, parameters and
+            optimizer state untouched, when the norm is not finite; on the
+            device for fused optimizers, one host read in the fallback) or
+            ``"error"`` (raise before the step, a host read).
+
+    Returns:
+        The total norm before clipping; with ``groups``, ``(total_norm,
+        {label: group_norm})``.
+
+    Raises:
+        TypeError, ValueError, RuntimeError: As
+            :func:`~ppclip_func.clip_grad_norm_`; ``TypeError`` for an
+            ``optimizer`` that is none of the above.
+
+    Example:
+        >>> import torch
+        >>> from ppclip_func import clip_grad_norm_in_optimizer
+        >>> w = torch.nn.Parameter(torch.zeros(2))
+        >>> opt = torch.optim.SGD([w], lr=1.0, fused=True)
+        >>> w.grad = torch.tensor([3.0, 4.0])
+        >>> clip_grad_norm_in_optimizer(opt, [w], None, max_norm=1.0)
+        tensor(5.)
+        >>> opt.step()  # the clip happens here
+        >>> w.detach()
+        tensor([-0.6000, -0.8000])
+    """
+    if nonfinite not in NONFINITE_IN_OPTIMIZER:
+        raise ValueError(f"nonfinite must be one of {NONFINITE_IN_OPTIMIZER} here, got {nonfinite!r}")
+    _check_clip_args(max_norm, eps, "propagate")
+    optimizers = optimizers_of(optimizer)
+    kind = norm_kind(norm_type)
+    parameters, read_grads = _grad_reader(parameters, "clip_grad_norm_in_optimizer")
+    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, pp_mesh=pp_mesh)
+    measured = measure(read_grads, parameters, "parameter grad", mesh, kind, opts)
+    if nonfinite == "error":
+        finite_mask(measured.total, kind.p, "error")
+    skip = ~torch.isfinite(measured.total) if nonfinite == "skip" else None
+    hand_over(optimizers, clip_coefficient(max_norm, measured.total, eps), skip)
+    return measured.norms(groups is not None)
