@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d", "_c10d_functional_autograd")
@@ -11,6 +12,8 @@ _NOT_COLLECTIVES = ("wait_tensor", "wait", "_wrap_tensor_autograd")
 
 class CollectiveCounter(TorchDispatchMode):
     """Records every collective op (functional or c10d) dispatched inside the ``with`` block.
+
+    Including those a DTensor op issues (as torch's ``CommDebugMode`` counts them).
 
     ``wait_tensor`` (waits for one) and ``_wrap_tensor_autograd`` (autograd
     bookkeeping) are not collectives and are not counted.
@@ -23,6 +26,10 @@ class CollectiveCounter(TorchDispatchMode):
         self.devices: list[str] = []  # the device of its input
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            # Let DTensor run its op first: the collectives it issues (a full_tensor(), a redistribute)
+            # come back through this mode on plain tensors. Run here, with this mode off, they went uncounted.
+            return NotImplemented
         ns = func.namespace
         name = func._schema.name.split("::")[-1]
         if ns in _COLLECTIVE_NAMESPACES and name not in _NOT_COLLECTIVES:
