@@ -51,6 +51,12 @@ from tests._torchtitan import TORCHTITAN_VERSION, Layout, Trained, train_step
 WORLD = 8
 NORM_TYPES = (2.0, 1.0, math.inf)
 RTOL = 1e-6
+# torchtitan's own norm is float32 throughout, and torch's CPU vector_norm of one large shard is off
+# by up to 1.1e-5 here (lm_head's 131k elements): its norms are within 3.1e-5 of float64 on these
+# layouts. Agreeing with it this closely rules out a layout read wrongly in either (a whole
+# transformer block, a stage, an FSDP or TP replica counted twice or not at all), not a single small
+# parameter; the 1e-6 comparisons with float64 do that.
+TORCHTITAN_RTOL = 1e-4
 
 LAYOUTS = {
     "pp2_fsdp2_tp2": Layout("llama3", pp=2, dp_shard=2, tp=2),
@@ -166,13 +172,22 @@ class Checks:
         self.failures: list[str] = []
         self.worst_norm = 0.0
         self.worst_grad = 0.0
+        self.worst_torchtitan = 0.0
         self.collectives: dict[str, set[int]] = {}
 
     def norm(self, what: str, actual: torch.Tensor | float, expected: float) -> None:
+        """``actual`` is the float64 norm ``expected`` within 1e-6."""
+        self.worst_norm = max(self.worst_norm, self._close(what, actual, expected, RTOL))
+
+    def torchtitan_norm(self, what: str, actual: torch.Tensor | float, expected: float) -> None:
+        """``actual`` is ``expected`` within torchtitan's float32 precision (:data:`TORCHTITAN_RTOL`)."""
+        self.worst_torchtitan = max(self.worst_torchtitan, self._close(what, actual, expected, TORCHTITAN_RTOL))
+
+    def _close(self, what: str, actual: torch.Tensor | float, expected: float, rtol: float) -> float:
         err = abs(float(actual) - expected) / expected
-        self.worst_norm = max(self.worst_norm, err)
-        if not err <= RTOL:
-            self.failures.append(f"{what}: {float(actual)!r}, float64 {expected!r} (relative error {err:.3g})")
+        if not err <= rtol:
+            self.failures.append(f"{what}: {float(actual)!r}, expected {expected!r} (relative error {err:.3g})")
+        return err
 
     def count(self, what: str, counter: CollectiveCounter, expected: int | None = 1) -> None:
         self.collectives.setdefault(what.split(" ")[0], set()).add(counter.count)
@@ -193,8 +208,8 @@ class Checks:
         if dist.get_rank() == 0:
             counts = ", ".join(f"{k} {sorted(v)}" for k, v in self.collectives.items())
             print(
-                f"[{self.where}] max rel. error: norm {self.worst_norm:.2e}, clipped grads {self.worst_grad:.2e}; "
-                f"collectives: {counts}",
+                f"[{self.where}] max rel. error: norm {self.worst_norm:.2e}, clipped grads {self.worst_grad:.2e}, "
+                f"torchtitan's norm {self.worst_torchtitan:.2e}; collectives: {counts}",
                 flush=True,
             )
         if self.failures:
@@ -225,10 +240,11 @@ def world_mesh(built: Built, checks: Checks) -> None:
     pp_mesh = built.parallel_dims.get_optional_mesh("pp")
     assert world.mesh_dim_names == ("world",) and (pp_mesh is not None) == (built.parallel_dims.pp > 1)
     if pp_mesh is not None:
-        # Which ranks hold which stage is not in a 1-D mesh: refused, on every rank, before any collective.
+        # Which ranks hold which stage is not in a 1-D mesh: refused on every rank (each joins the
+        # one collective first, so that no peer is left waiting: README, "Failure modes").
         with CollectiveCounter() as c, pytest.raises(ValueError, match="pp_mesh"):
             global_grad_norm(built.grads(), world, 2.0)
-        checks.count("refused", c, expected=0)
+        checks.count("refused", c, expected=None)
     for p in NORM_TYPES:
         expected = built.expected(p)
         max_norm = expected / 2
@@ -265,8 +281,9 @@ def _as_the_trainer_calls(clip: Callable[..., torch.Tensor], built: Built, max_n
 
 def drop_in(built: Built, checks: Checks) -> None:
     """``ppclip_func.torchtitan.clip_grad_norm_`` where torchtitan's trainer calls its own; torchtitan's alongside."""
-    from ppclip_func.torchtitan import clip_grad_norm_ as ppclip_clip_grad_norm_
     from torchtitan.distributed.utils import clip_grad_norm_ as torchtitan_clip_grad_norm_
+
+    from ppclip_func.torchtitan import clip_grad_norm_ as ppclip_clip_grad_norm_
 
     for p in NORM_TYPES:
         expected = built.expected(p)
@@ -281,8 +298,9 @@ def drop_in(built: Built, checks: Checks) -> None:
             theirs = _as_the_trainer_calls(torchtitan_clip_grad_norm_, built, max_norm, p)
         built.restore()
         checks.count(f"torchtitan p={p}", c, expected=None)
-        checks.norm(f"torchtitan's own clip_grad_norm_ p={p}", theirs, expected)  # torchtitan is right on these
-        checks.norm(f"ppclip_func.torchtitan vs torchtitan p={p}", ours, float(theirs))
+        # torchtitan is right on these layouts, up to its float32 arithmetic: the two agree.
+        checks.torchtitan_norm(f"torchtitan's own clip_grad_norm_ vs float64 p={p}", theirs, expected)
+        checks.torchtitan_norm(f"ppclip_func.torchtitan vs torchtitan's p={p}", ours, float(theirs))
 
 
 PARTS = (named_mesh, world_mesh, drop_in)
