@@ -42,6 +42,8 @@ class Layout:
     dp_shard: int = 1
     tp: int = 1
     ep: int = 1
+    # Not torchtitan's default "spmd_types": its plain-tensor params fail torch 2.13's fully_shard ("all
+    # parameters must be DTensors on the full SPMD mesh"). "partial_dtensor" is the legacy backend.
     spmd_backend: str = "full_dtensor"
 
     def __post_init__(self) -> None:
@@ -114,7 +116,12 @@ def patch_torchtitan() -> None:
 
     _stub_module("torchtitan.trainer", "the trainer needs torchdata", Trainer=Trainer)
 
-    import torchtitan.tools.utils
+    try:
+        import torchtitan.tools.utils
+    except ModuleNotFoundError as e:
+        raise RuntimeError(
+            f"torchtitan=={TORCHTITAN_VERSION} is a test dependency (`make test` installs it with --no-deps): {e}"
+        ) from e
 
     # Without a GPU torchtitan still picks "cuda" for its meshes; parallel_dims binds this when imported.
     torchtitan.tools.utils.device_type = "cpu"
