@@ -433,7 +433,7 @@ def adaptive_clip_grad_norm_(
     * **Then** (with ``z``): a norm is a spike when its z-score
       ``(norm - mean) / (std + zscore_eps)`` is above ``z`` (``mode="zscore"``) or
       when it is above ``mean + z * std`` (``mode="percentile"``); a spike is
-      clipped to a target below it (``clip_option``), and the statistics,
+      clipped to a target near the mean (``clip_option``), and the statistics,
       exponentially weighted with ``alpha``, take that target in instead of
       the norm, so one spike does not raise the next threshold.
       ``max_norm`` caps every step. With ``z=None`` the clip stays at
