@@ -16,6 +16,7 @@ from ._api import (
 )
 from ._optim import clip_grad_norm_in_optimizer
 from ._params import ParamIndex, param_norm_index
+from ._stateful import ClipStateful
 
 __all__ = [
     # Measure, apply, or both (pure).
@@ -36,6 +37,8 @@ __all__ = [
     "select_update",
     "param_norm_index",
     "ParamIndex",
+    # The adaptive state in a checkpoint (torch.distributed.checkpoint, torchtitan).
+    "ClipStateful",
 ]
 
 __version__ = "0.2.0.dev0"
