@@ -11,7 +11,9 @@ implementation):
 * ``ours_inplace``: ``ppclip_func.clip_grad_norm_``, then the step;
 * ``handed``: ``clip_grad_norm_in_optimizer``, then the step (the clip
   applied by the fused kernel as it reads the gradients);
-* ``handed_skipped``: the same with a non-finite norm and
+* ``handed_adaptive``: ``adaptive_clip_grad_norm_in_optimizer`` (ZClip's
+  threshold, past its warm-up, and a skip decision), then the step;
+* ``handed_skipped``: ``clip_grad_norm_in_optimizer`` with a non-finite norm and
   ``nonfinite="skip"``: the fused kernel skips the step;
 * ``skip_update``: ``clip_grad_norm_`` then the step inside
   ``skip_update_(skip, params + AdamW state, ...)``, the undo-based skip of
@@ -41,7 +43,14 @@ from torch.optim.adamw import adamw
 from bench import _report
 from bench._shapes import gpt_shapes, make_grads, make_params, numel
 from bench._timing import interleaved, machine
-from ppclip_func import clip_grad_norm_, clip_grad_norm_in_optimizer, global_grad_norm, skip_update_
+from ppclip_func import (
+    adaptive_clip_grad_norm_in_optimizer,
+    clip_grad_norm_,
+    clip_grad_norm_in_optimizer,
+    global_grad_norm,
+    init_clip_state,
+    skip_update_,
+)
 
 NAME = "optimizer"
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -60,7 +69,7 @@ QUICK = {
     "backend": "aot_eager",
 }
 LEAF = 4096
-EAGER = ("step_only", "torch", "ours_inplace", "handed", "handed_skipped", "skip_update")
+EAGER = ("step_only", "torch", "ours_inplace", "handed", "handed_adaptive", "handed_skipped", "skip_update")
 COMPILED = ("torch", "ours", "ours_skip_update")
 
 
@@ -77,6 +86,8 @@ def _eager_variants(params: list[torch.nn.Parameter]) -> tuple[dict, dict]:
     spike = make_params([torch.full((1,), float("inf"))])
     state = _adamw_state(opt, params)
     skip = torch.tensor(True)
+    # Past warm-up, with statistics that neither clip nor skip this model's norm (its threshold is computed all the same).
+    clip_state = init_clip_state()._replace(count=torch.tensor(100), mean=torch.tensor(1e6, dtype=torch.float64))
 
     def ours_then_skippable_step() -> None:
         clip_grad_norm_(params, None, 1.0)
@@ -87,6 +98,10 @@ def _eager_variants(params: list[torch.nn.Parameter]) -> tuple[dict, dict]:
         "torch": lambda: (torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True), opt.step()),
         "ours_inplace": lambda: (clip_grad_norm_(params, None, 1.0), opt.step()),
         "handed": lambda: (clip_grad_norm_in_optimizer(opt, params, None, 1.0), opt.step()),
+        "handed_adaptive": lambda: (
+            adaptive_clip_grad_norm_in_optimizer(opt, params, None, clip_state, max_norm=None, skip_z=6.0),
+            opt.step(),
+        ),
         "handed_skipped": lambda: (
             clip_grad_norm_in_optimizer(opt, params + spike, None, 1.0, nonfinite="skip"),
             opt.step(),

@@ -13,8 +13,9 @@ targets are also replaced by random tokens, so the spike points in a
 direction of its own. The three runs differ only in the clip:
 
 * ``fixed``: ``clip_grad_norm_`` at ``--max-norm``;
-* ``adaptive``: ``adaptive_clip_grad_norm_`` (ZClip-style: ``--max-norm``
-  during a warm-up, then ``mean + z * std`` of the norms so far);
+* ``adaptive``: ``adaptive_clip_grad_norm_`` (ZClip: after a warm-up, a
+  norm whose z-score against the norms so far passes ``z`` is clipped to a
+  target near their mean; ``--max-norm`` caps every step);
 * ``skip``: the same, with ``skip_z``: a step whose norm is that many
   standard deviations above the mean is not applied at all
   (``skip_update_`` around AdamW: parameters and optimizer state unchanged).

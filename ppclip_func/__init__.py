@@ -14,8 +14,9 @@ from ._api import (
     clip_grads_with_norm,
     global_grad_norm,
 )
-from ._optim import clip_grad_norm_in_optimizer
+from ._optim import adaptive_clip_grad_norm_in_optimizer, clip_grad_norm_in_optimizer
 from ._params import ParamIndex, param_norm_index
+from ._stateful import ClipStateful
 
 __all__ = [
     # Measure, apply, or both (pure).
@@ -26,6 +27,7 @@ __all__ = [
     "clip_grad_norm_",
     # Handed to the optimizer's next step: fused kernels clip and skip as they read the grads.
     "clip_grad_norm_in_optimizer",
+    "adaptive_clip_grad_norm_in_optimizer",
     # A threshold that follows the run, step skipping, per-parameter norms.
     "adaptive_clip_grad_norm_",
     "adaptive_clip_grad_norm",
@@ -36,6 +38,8 @@ __all__ = [
     "select_update",
     "param_norm_index",
     "ParamIndex",
+    # The adaptive state in a checkpoint (torch.distributed.checkpoint, torchtitan).
+    "ClipStateful",
 ]
 
 __version__ = "0.2.0.dev0"

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
-from ._adaptive import ClipState, ClipStats, check_adaptive_args, threshold_and_skip, update_state
+from ._adaptive import ClipState, ClipStats, Rule, adapt, check_adaptive_args
 from ._measure import GroupNorms, Measured, NormOptions, PpDim, measure
 from ._norms import norm_kind
 from ._params import ParamIndex
@@ -418,10 +418,15 @@ def adaptive_clip_grad_norm_(
     state: ClipState,
     norm_type: float = 2.0,
     *,
-    max_norm: float | torch.Tensor = 1.0,
+    max_norm: float | torch.Tensor | None = 1.0,
     z: float | None = 2.5,
     alpha: float = 0.97,
     warmup: int = 25,
+    mode: str = "zscore",
+    clip_option: str = "adaptive_scaling",
+    clip_factor: float = 1.0,
+    zscore_eps: float = 1e-6,
+    freeze_on_spike: bool = False,
     skip_z: float | None = None,
     param_norms: ParamIndex | None = None,
     pp_dim: PpDim = None,
@@ -433,25 +438,32 @@ def adaptive_clip_grad_norm_(
     nonfinite: str = "propagate",
     overflow_safe: bool = False,
 ) -> ClipStats:
-    """Clips ``p.grad`` in place to a threshold that follows the run; says whether to skip the step.
+    """Clips ``p.grad`` in place to a threshold that follows the run (ZClip); says whether to skip the step.
 
     One collective, as :func:`clip_grad_norm_`, and nothing read on the host:
     the threshold, the skip decision and the new statistics are 0-dim
-    tensors computed on the device.
+    tensors computed on the device. The rule and its defaults are ZClip's
+    (Kumar et al. 2025, arXiv:2504.02507) as its package ``zclip==1.0.0``
+    computes them, tested step by step against it; the README ("Beyond a
+    fixed threshold") maps ZClip's option names to these.
 
     * **Warm-up** (the first ``warmup`` finite norms): clip at ``max_norm``;
-      the norms' plain mean and variance start the statistics.
-    * **Then** (with ``z``): clip at ``mean + z * std`` of the norms so far,
-      exponentially weighted with ``alpha``, and take the norm *after*
-      clipping into the statistics, so that one spike does not raise the
-      next threshold (ZClip, Kumar et al. 2025, arXiv:2504.02507; its
-      defaults). With ``z=None`` the clip stays at ``max_norm`` and the
-      statistics still follow the norm (for ``skip_z`` and logging).
+      the norms' mean and variance start the statistics.
+    * **Then** (with ``z``): a norm is a spike when its z-score
+      ``(norm - mean) / (std + zscore_eps)`` is above ``z`` (``mode="zscore"``) or
+      when it is above ``mean + z * std`` (``mode="percentile"``); a spike is
+      clipped to a target near the mean (``clip_option``), and the statistics,
+      exponentially weighted with ``alpha``, take that target in instead of
+      the norm, so one spike does not raise the next threshold.
+      ``max_norm`` caps every step. With ``z=None`` the clip stays at
+      ``max_norm`` and the statistics still follow the norm (for ``skip_z``
+      and logging).
     * **Skip**: ``stats.skip`` is true when the norm is non-finite, or (with
       ``skip_z``, after warm-up) its z-score is above ``skip_z``. A skipped
-      step leaves the statistics unchanged. The grads are clipped either
-      way; apply the decision to the optimizer update with
-      :func:`skip_update_` (in place) or :func:`select_update` (pure).
+      step leaves the statistics unchanged, so a NaN norm does not end the
+      adaptation (ZClip's statistics would be NaN from then on). The grads
+      are clipped either way; apply the decision to the optimizer update
+      with :func:`skip_update_` (in place) or :func:`select_update` (pure).
 
     Args:
         parameters: As :func:`clip_grad_norm_`; for ``param_norms``, the
@@ -460,12 +472,26 @@ def adaptive_clip_grad_norm_(
         state: The previous step's ``stats.state``; :func:`init_clip_state`
             for the first step.
         norm_type: ``p > 0``, ``0``, ``inf`` or ``-inf``.
-        max_norm: The threshold during warm-up (always, with ``z=None``).
-        z: Standard deviations above the mean to clip at after warm-up, or
-            ``None`` for a fixed threshold.
+        max_norm: ZClip's ``max_grad_norm``: the cap on every step's
+            threshold (the threshold itself during warm-up, and always with
+            ``z=None``); a number, a 0-dim tensor, or ``None`` for no cap.
+        z: ZClip's ``z_thresh``: how many standard deviations above the mean
+            make a spike, or ``None`` for a fixed threshold.
         alpha: Weight of the past in the running statistics, in (0, 1):
             about ``1 / (1 - alpha)`` steps of memory (33 by default).
-        warmup: Norms taken before the threshold adapts (>= 2).
+        warmup: ZClip's ``warmup_steps``: norms taken before the threshold
+            adapts (>= 2).
+        mode: ``"zscore"`` (ZClip's default) or ``"percentile"`` (a norm
+            above ``mean + z * std`` is clipped to it).
+        clip_option: What a spike is clipped to in ``"zscore"`` mode:
+            ``"adaptive_scaling"``, ``mean + z * std / (zscore / z)`` (the
+            larger the spike, the lower) times ``clip_factor``; or ``"mean"``.
+        clip_factor: Multiplies the ``"adaptive_scaling"`` target, mean
+            included, as ZClip's package computes it (> 0).
+        zscore_eps: ZClip's ``eps``: added to ``std`` in the z-score (>= 0).
+        freeze_on_spike: ZClip's ``skip_update_on_spike``: a spike leaves the
+            statistics unchanged (its gradient is still clipped, and the
+            step is not skipped).
         skip_z: Z-score above which a step is skipped, or ``None`` to skip
             only on a non-finite norm. Larger than ``z`` to mean anything:
             clip moderate spikes, skip extreme ones.
@@ -473,7 +499,8 @@ def adaptive_clip_grad_norm_(
             every parameter's norm, of the whole model, on every rank, from
             the same collective.
         pp_dim, pp_mesh, eps, groups, tied, partial, nonfinite,
-            overflow_safe: As :func:`clip_grad_norm_`.
+            overflow_safe: As :func:`clip_grad_norm_` (``eps=1e-6`` is
+            ZClip's clip coefficient, whatever its own ``eps``).
 
     Returns:
         A :class:`ClipStats`: the norm before clipping, the threshold, the
@@ -489,22 +516,27 @@ def adaptive_clip_grad_norm_(
         >>> from ppclip_func import adaptive_clip_grad_norm_, init_clip_state
         >>> w = torch.nn.Parameter(torch.zeros(2))
         >>> state = init_clip_state()
+        >>> opts = dict(max_norm=None, warmup=5, skip_z=50.0)
         >>> for step in range(30):
-        ...     w.grad = torch.full((2,), 1.0 + 0.1 * (step % 3))
-        ...     stats = adaptive_clip_grad_norm_([w], None, state, warmup=5, skip_z=6.0)
+        ...     w.grad = torch.full((2,), 1.0 + 0.1 * (step % 3))  # norms 1.41 to 1.70
+        ...     stats = adaptive_clip_grad_norm_([w], None, state, **opts)
         ...     state = stats.state
-        >>> w.grad = torch.full((2,), 50.0)  # a spike
-        >>> stats = adaptive_clip_grad_norm_([w], None, state, warmup=5, skip_z=6.0)
-        >>> bool(stats.skip), round(float(stats.threshold), 2)
-        (True, 1.83)
+        >>> w.grad = torch.full((2,), 3.0)  # a spike, clipped to just above the mean (1.55)
+        >>> stats = adaptive_clip_grad_norm_([w], None, state, **opts)
+        >>> [round(float(t), 2) for t in (stats.total_norm, stats.zscore, stats.threshold, w.grad.norm())]
+        [4.24, 24.13, 1.57, 1.57]
+        >>> w.grad = torch.full((2,), 50.0)  # an extreme one: skipped
+        >>> bool(adaptive_clip_grad_norm_([w], None, stats.state, **opts).skip)
+        True
     """
-    _check_clip_args(max_norm, eps, nonfinite)
-    check_adaptive_args(state, z, alpha, warmup, skip_z)
+    rule = Rule(max_norm, z, alpha, warmup, skip_z, mode, clip_option, clip_factor, zscore_eps, freeze_on_spike)
+    _check_clip_args(math.inf if max_norm is None else max_norm, eps, nonfinite)  # None: no cap
+    check_adaptive_args(state, rule)
     kind = norm_kind(norm_type)
     parameters, read_grads = _grad_reader(parameters, "adaptive_clip_grad_norm_")
     opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, param_norms, pp_mesh)
     measured = measure(read_grads, parameters, "parameter grad", mesh, kind, opts)
-    stats = _adapt(measured, state, max_norm, z, alpha, warmup, skip_z, groups is not None)
+    stats = _adapt(measured, state, rule, groups is not None)
     _apply(measured.leaves.shards, stats.threshold, measured.total, eps, nonfinite, kind.p, inplace=True)
     return stats
 
@@ -516,10 +548,15 @@ def adaptive_clip_grad_norm(
     state: ClipState,
     norm_type: float = 2.0,
     *,
-    max_norm: float | torch.Tensor = 1.0,
+    max_norm: float | torch.Tensor | None = 1.0,
     z: float | None = 2.5,
     alpha: float = 0.97,
     warmup: int = 25,
+    mode: str = "zscore",
+    clip_option: str = "adaptive_scaling",
+    clip_factor: float = 1.0,
+    zscore_eps: float = 1e-6,
+    freeze_on_spike: bool = False,
     skip_z: float | None = None,
     param_norms: ParamIndex | None = None,
     pp_dim: PpDim = None,
@@ -535,7 +572,8 @@ def adaptive_clip_grad_norm(
 
     Args:
         grads: A pytree of ``torch.Tensor``/``DTensor`` gradients or ``None``.
-        mesh, state, norm_type, max_norm, z, alpha, warmup, skip_z,
+        mesh, state, norm_type, max_norm, z, alpha, warmup, mode,
+            clip_option, clip_factor, zscore_eps, freeze_on_spike, skip_z,
             param_norms, pp_dim, pp_mesh, eps, groups, tied, partial,
             nonfinite, overflow_safe: As :func:`adaptive_clip_grad_norm_`.
 
@@ -550,29 +588,20 @@ def adaptive_clip_grad_norm(
         >>> clipped["w"], stats.total_norm, stats.threshold
         (tensor([0.5000, 0.5000, 0.5000, 0.5000]), tensor(6.), tensor(1.))
     """
-    _check_clip_args(max_norm, eps, nonfinite)
-    check_adaptive_args(state, z, alpha, warmup, skip_z)
+    rule = Rule(max_norm, z, alpha, warmup, skip_z, mode, clip_option, clip_factor, zscore_eps, freeze_on_spike)
+    _check_clip_args(math.inf if max_norm is None else max_norm, eps, nonfinite)  # None: no cap
+    check_adaptive_args(state, rule)
     kind = norm_kind(norm_type)
     opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, param_norms, pp_mesh)
     measured = measure(lambda: grads, grads, "gradient", mesh, kind, opts)
-    stats = _adapt(measured, state, max_norm, z, alpha, warmup, skip_z, groups is not None)
+    stats = _adapt(measured, state, rule, groups is not None)
     scaled = _apply(measured.leaves.shards, stats.threshold, measured.total, eps, nonfinite, kind.p, inplace=False)
     return measured.leaves.unflatten(_rewrap(measured.leaves, scaled)), stats
 
 
-def _adapt(
-    measured: Measured,
-    state: ClipState,
-    max_norm: float | torch.Tensor,
-    z: float | None,
-    alpha: float,
-    warmup: int,
-    skip_z: float | None,
-    with_groups: bool,
-) -> ClipStats:
+def _adapt(measured: Measured, state: ClipState, rule: Rule, with_groups: bool) -> ClipStats:
     total = measured.total
-    threshold, zscore, skip = threshold_and_skip(total, state, max_norm=max_norm, z=z, skip_z=skip_z, warmup=warmup)
-    new_state = update_state(state, total, threshold, skip, alpha=alpha, warmup=warmup)
+    threshold, zscore, skip, new_state = adapt(total, state, rule)
     groups = measured.per_group if with_groups else None
     return ClipStats(total, threshold.to(total.dtype), zscore, skip, new_state, groups, measured.per_param)
 

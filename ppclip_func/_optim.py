@@ -29,6 +29,7 @@ into the compiled functional step instead (see the README).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -37,9 +38,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from ._api import _check_clip_args, _grad_reader
+from ._adaptive import ClipState, ClipStats, Rule, check_adaptive_args
+from ._api import _adapt, _check_clip_args, _grad_reader
 from ._measure import GroupNorms, NormOptions, PpDim, measure
 from ._norms import norm_kind
+from ._params import ParamIndex
 from ._paths import GroupSpec, TiedSpec
 from ._scale import clip_coefficient, finite_mask, scale
 
@@ -230,3 +233,84 @@ def clip_grad_norm_in_optimizer(
     skip = ~torch.isfinite(measured.total) if nonfinite == "skip" else None
     hand_over(optimizers, clip_coefficient(max_norm, measured.total, eps), skip)
     return measured.norms(groups is not None)
+
+
+@torch.no_grad()
+def adaptive_clip_grad_norm_in_optimizer(
+    optimizer: Any,
+    parameters: torch.Tensor | Iterable[torch.Tensor] | Any,
+    mesh: DeviceMesh | None,
+    state: ClipState,
+    norm_type: float = 2.0,
+    *,
+    max_norm: float | torch.Tensor | None = 1.0,
+    z: float | None = 2.5,
+    alpha: float = 0.97,
+    warmup: int = 25,
+    mode: str = "zscore",
+    clip_option: str = "adaptive_scaling",
+    clip_factor: float = 1.0,
+    zscore_eps: float = 1e-6,
+    freeze_on_spike: bool = False,
+    skip_z: float | None = None,
+    param_norms: ParamIndex | None = None,
+    pp_dim: PpDim = None,
+    pp_mesh: DeviceMesh | None = None,
+    eps: float = 1e-6,
+    groups: GroupSpec | None = None,
+    tied: TiedSpec | None = None,
+    partial: str = "error",
+    overflow_safe: bool = False,
+) -> ClipStats:
+    """:func:`~ppclip_func.adaptive_clip_grad_norm_` with the clip and the skip handed to ``optimizer``.
+
+    The threshold, the skip decision and the new statistics are those of
+    :func:`~ppclip_func.adaptive_clip_grad_norm_` (one collective, no host
+    read); instead of scaling the gradients here, the coefficient and
+    ``stats.skip`` go to the optimizer's next ``step()``, as
+    :func:`clip_grad_norm_in_optimizer` hands them: a fused optimizer skips
+    the step in its kernel, copying nothing (``skip_update_`` copies every
+    parameter and moment). A non-finite norm is always a skipped step.
+
+    Args:
+        optimizer: As :func:`clip_grad_norm_in_optimizer`.
+        parameters, mesh, state, norm_type, max_norm, z, alpha, warmup, mode,
+            clip_option, clip_factor, zscore_eps, freeze_on_spike, skip_z,
+            param_norms, pp_dim, pp_mesh, eps, groups, tied, partial,
+            overflow_safe: As :func:`~ppclip_func.adaptive_clip_grad_norm_`.
+
+    Returns:
+        A :class:`~ppclip_func.ClipStats`; pass ``stats.state`` to the next step.
+
+    Raises:
+        TypeError, ValueError: As :func:`~ppclip_func.adaptive_clip_grad_norm_`
+            and :func:`clip_grad_norm_in_optimizer`.
+
+    Example:
+        >>> import torch
+        >>> from ppclip_func import adaptive_clip_grad_norm_in_optimizer, init_clip_state
+        >>> w = torch.nn.Parameter(torch.zeros(2))
+        >>> opt = torch.optim.AdamW([w], lr=0.1, fused=True)
+        >>> state = init_clip_state()
+        >>> for step in range(30):
+        ...     w.grad = torch.full((2,), 1.0 + 0.1 * (step % 3))
+        ...     state = adaptive_clip_grad_norm_in_optimizer(opt, [w], None, state, warmup=5, skip_z=6.0).state
+        ...     opt.step()
+        >>> w.grad = torch.full((2,), 50.0)  # a spike: the next step is skipped in the fused kernel
+        >>> stats = adaptive_clip_grad_norm_in_optimizer(opt, [w], None, state, warmup=5, skip_z=6.0)
+        >>> before = w.detach().clone()
+        >>> opt.step()
+        >>> bool(stats.skip), torch.equal(w.detach(), before), int(opt.state[w]["step"])
+        (True, True, 30)
+    """
+    rule = Rule(max_norm, z, alpha, warmup, skip_z, mode, clip_option, clip_factor, zscore_eps, freeze_on_spike)
+    _check_clip_args(math.inf if max_norm is None else max_norm, eps, "propagate")  # None: no cap
+    check_adaptive_args(state, rule)
+    optimizers = optimizers_of(optimizer)
+    kind = norm_kind(norm_type)
+    parameters, read_grads = _grad_reader(parameters, "adaptive_clip_grad_norm_in_optimizer")
+    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, param_norms, pp_mesh)
+    measured = measure(read_grads, parameters, "parameter grad", mesh, kind, opts)
+    stats = _adapt(measured, state, rule, groups is not None)
+    hand_over(optimizers, clip_coefficient(stats.threshold, measured.total, eps), stats.skip)
+    return stats

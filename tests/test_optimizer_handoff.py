@@ -17,7 +17,13 @@ import copy
 import pytest
 import torch
 
-from ppclip_func import clip_grad_norm_, clip_grad_norm_in_optimizer
+from ppclip_func import (
+    adaptive_clip_grad_norm_,
+    adaptive_clip_grad_norm_in_optimizer,
+    clip_grad_norm_,
+    clip_grad_norm_in_optimizer,
+    init_clip_state,
+)
 
 FUSED = {
     "Adam": lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True),
@@ -195,3 +201,38 @@ def test_bad_optimizer_and_policy_raise():
         clip_grad_norm_in_optimizer(
             FUSED["Adam"](list(model.parameters())), model.parameters(), None, 1.0, nonfinite="zero"
         )
+
+
+def _spiky_scale(step: int) -> float:
+    """Gradient scales of an 60-step run: a calm run with a spike every 13 steps after warm-up."""
+    return 40.0 if step > 10 and step % 13 == 0 else 1.0 + 0.05 * (step % 4)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_adaptive_clip_handed_over_equals_adaptive_clip_then_step_or_skip(name):
+    """Same thresholds, skip decisions and statistics as adaptive_clip_grad_norm_; the step applied or skipped alike."""
+    make = OPTIMIZERS[name]
+    ref_model, model = _model(), _model()
+    ref_opt, opt = make(list(ref_model.parameters())), make(list(model.parameters()))
+    ref_state = state = init_clip_state()
+    options = {"warmup": 5, "skip_z": 8.0, "z": 2.5, "max_norm": 30.0}
+    skipped = 0
+    for step in range(60):
+        _set_grads(ref_model, step, _spiky_scale(step))
+        _set_grads(model, step, _spiky_scale(step))
+        want = adaptive_clip_grad_norm_(ref_model.parameters(), None, ref_state, **options)
+        if not bool(want.skip):
+            ref_opt.step()
+        ref_state = want.state
+        got = adaptive_clip_grad_norm_in_optimizer(opt, model.parameters(), None, state, **options)
+        opt.step()
+        state = got.state
+        for a, b in zip(
+            (got.total_norm, got.threshold, got.skip, *got.state),
+            (want.total_norm, want.threshold, want.skip, *want.state),
+        ):
+            assert torch.equal(a, b), step
+        skipped += int(want.skip)
+        for a, b in zip(_state(model, opt), _state(ref_model, ref_opt)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert skipped >= 2  # the spikes were skipped: the skip path was exercised

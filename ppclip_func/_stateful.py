@@ -1,0 +1,104 @@
+"""The adaptive clip's state as a ``Stateful``: saved and restored with the rest of a run.
+
+``torch.distributed.checkpoint`` (``dcp.save`` / ``dcp.load``) calls
+``state_dict()`` and ``load_state_dict()`` on every ``Stateful`` value of the
+dict it is given, on every rank; torchtitan's ``CheckpointManager`` passes
+the Statefuls of its ``states`` argument on to it beside the model and the
+optimizer. :class:`ClipStateful` is that object for a :class:`ClipState`.
+
+The state is three 0-dim tensors that every rank computes from the same
+all-reduced norm, so they are bitwise identical on every rank: DCP saves
+them as replicated tensors, once, and any number of ranks loads them, the
+number that saved them or another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.stateful import Stateful
+
+from ._adaptive import ClipState, init_clip_state
+
+__all__ = ["ClipStateful"]
+
+_KEYS = ClipState._fields  # ("count", "mean", "var")
+
+
+class ClipStateful(Stateful):
+    """Holds the adaptive clip's :class:`ClipState` for ``torch.distributed.checkpoint`` and torchtitan.
+
+    Read ``clip.state`` for each step and store the step's ``stats.state``
+    back; hand the holder to the checkpointer, which saves and loads it on
+    every rank. A :class:`ClipState` is never changed in place: ``state_dict()``
+    returns copies, and ``load_state_dict()`` puts new tensors in ``state``,
+    on the device and in the dtype the holder's state had.
+
+    Args:
+        device: Where the grads live, as :func:`init_clip_state`.
+        dtype: Of the statistics, as :func:`init_clip_state`.
+
+    Example:
+        >>> import torch
+        >>> from ppclip_func import ClipStateful, adaptive_clip_grad_norm_
+        >>> clip = ClipStateful()
+        >>> w = torch.nn.Parameter(torch.zeros(2))
+        >>> for step in range(3):
+        ...     w.grad = torch.full((2,), 3.0 + step)
+        ...     clip.state = adaptive_clip_grad_norm_([w], None, clip.state).state
+        >>> saved = clip.state_dict()  # what dcp.save writes (or torchtitan's CheckpointManager(states={"clip": clip}))
+        >>> saved
+        {'count': tensor(3), 'mean': tensor(5.6569, dtype=torch.float64), 'var': tensor(1.3333, dtype=torch.float64)}
+        >>> resumed = ClipStateful()
+        >>> resumed.load_state_dict(saved)
+        >>> all(torch.equal(a, b) for a, b in zip(resumed.state, clip.state))
+        True
+    """
+
+    def __init__(self, device: torch.device | str | None = None, dtype: torch.dtype = torch.float64) -> None:
+        self.state = init_clip_state(device, dtype)
+
+    @property
+    def state(self) -> ClipState:
+        """The statistics for the next step; set it to each step's ``stats.state``."""
+        return self._state
+
+    @state.setter
+    def state(self, state: ClipState) -> None:
+        if not isinstance(state, ClipState) or not all(isinstance(t, torch.Tensor) and t.dim() == 0 for t in state):
+            raise TypeError(f"state must be a ClipState of 0-dim tensors (a step's stats.state), got {state!r}")
+        self._state = state
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Returns ``{"count", "mean", "var"}``: copies of the state's 0-dim tensors."""
+        return {key: t.detach().clone() for key, t in zip(_KEYS, self._state)}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restores the state from ``state_dict`` onto the holder's device, in its dtypes.
+
+        Raises:
+            TypeError: ``state_dict`` is not a mapping of tensors.
+            ValueError: Its keys are not ``count``, ``mean`` and ``var``, or a
+                tensor is not 0-dim.
+        """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
+        if set(state_dict) != set(_KEYS):
+            raise ValueError(f"state_dict must have the keys {list(_KEYS)}, got {sorted(state_dict)}")
+        for key in _KEYS:
+            value = state_dict[key]
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"state_dict[{key!r}] must be a tensor, got {type(value).__name__}")
+            if value.dim() != 0:
+                raise ValueError(f"state_dict[{key!r}] must be a 0-dim tensor, got shape {tuple(value.shape)}")
+        self._state = ClipState(
+            *(
+                state_dict[key].detach().to(device=old.device, dtype=old.dtype, copy=True)
+                for key, old in zip(_KEYS, self._state)
+            )
+        )
+
+    def __repr__(self) -> str:
+        return f"ClipStateful({self._state!r})"
