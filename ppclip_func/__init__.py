@@ -5,6 +5,7 @@ every leaf is weighed by its layout, all of them are combined locally, and a
 single functional all-reduce gives every rank the norm of the whole model.
 """
 
+from ._adagc import AdaGCState, AdaGCStats, adagc_clip_grad_norm, adagc_clip_grad_norm_, init_adagc_state
 from ._adaptive import ClipState, ClipStats, init_clip_state, select_update, skip_update_
 from ._api import (
     adaptive_clip_grad_norm,
@@ -16,7 +17,7 @@ from ._api import (
 )
 from ._optim import clip_grad_norm_in_optimizer
 from ._params import ParamIndex, param_norm_index
-from ._stateful import ClipStateful
+from ._stateful import AdaGCStateful, ClipStateful
 
 __all__ = [
     # Measure, apply, or both (pure).
@@ -37,8 +38,15 @@ __all__ = [
     "select_update",
     "param_norm_index",
     "ParamIndex",
+    # Per-parameter thresholds that follow each parameter's own history (AdaGC).
+    "adagc_clip_grad_norm_",
+    "adagc_clip_grad_norm",
+    "init_adagc_state",
+    "AdaGCState",
+    "AdaGCStats",
     # The adaptive state in a checkpoint (torch.distributed.checkpoint, torchtitan).
     "ClipStateful",
+    "AdaGCStateful",
 ]
 
 __version__ = "0.2.0.dev0"
