@@ -15,6 +15,7 @@ from ._api import (
     clip_grads_with_norm,
     global_grad_norm,
 )
+from ._group_clip import clip_grad_norm_by_group, clip_grad_norm_by_group_
 from ._optim import clip_grad_norm_in_optimizer
 from ._params import ParamIndex, param_norm_index
 from ._stateful import AdaGCStateful, ClipStateful
@@ -26,6 +27,9 @@ __all__ = [
     "clip_grad_norm",
     # In place on p.grad: the drop-in for torchtitan-style trainers.
     "clip_grad_norm_",
+    # A threshold per group; groups kept out of the total and never scaled (Muon's parameters).
+    "clip_grad_norm_by_group_",
+    "clip_grad_norm_by_group",
     # Handed to the optimizer's next step: fused kernels clip and skip as they read the grads.
     "clip_grad_norm_in_optimizer",
     # A threshold that follows the run, step skipping, per-parameter norms.
