@@ -35,13 +35,14 @@ as theirs does.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._api import _check_clip_args, _grad_reader, _rewrap
+from ._exclude import check_exclude, included_params, without_excluded
 from ._measure import Measured, NormOptions, PpDim, measure
 from ._norms import norm_kind
 from ._params import ParamIndex, leaf_slots
@@ -210,17 +211,34 @@ def scale_per_leaf(
 
 
 def _step(
-    measured: Measured, index: ParamIndex, state: AdaGCState, rule: AdaGCRule, nonfinite: str, p: float, inplace: bool
+    measured: Measured,
+    index: ParamIndex,
+    state: AdaGCState,
+    rule: AdaGCRule,
+    nonfinite: str,
+    p: float,
+    exclusion: tuple[list[str], frozenset[str], GroupSpec | None],
+    *,
+    inplace: bool,
 ) -> tuple[list[torch.Tensor], AdaGCStats]:
+    labels, excluded, groups = exclusion
+    measured, counted = without_excluded(measured, norm_kind(p), groups, labels, excluded)
     leaves = measured.leaves
     coef, skip, new_state = adagc_update(measured.total, measured.per_param, state, rule)
+    params_in = included_params(index.names, groups, labels, excluded)
+    if params_in is not None:  # excluded parameters: coefficient 1, gamma left as it was (static mask)
+        mask = torch.tensor(params_in).to(coef.device)
+        coef = torch.where(mask, coef, 1.0)
+        new_state = AdaGCState(new_state.count, torch.where(mask, new_state.gamma, state.gamma))
     slots = leaf_slots(index, leaves.index, len(leaves.flat), leaves.paths)
+    slots = [slots[i] for i in counted]
     keep = finite_mask(measured.total, p, nonfinite)
     per_leaf = coef[torch.tensor(slots, dtype=torch.int64).to(coef.device)] if slots else coef[:0]
-    scaled = scale_per_leaf(leaves.shards, per_leaf, keep, inplace=inplace)
-    groups = measured.per_group or None
-    stats = AdaGCStats(measured.total, measured.per_param, coef, skip, new_state, groups)
-    return scaled, stats
+    out = list(leaves.shards)
+    for i, t in zip(counted, scale_per_leaf([out[i] for i in counted], per_leaf, keep, inplace=inplace)):
+        out[i] = t
+    stats = AdaGCStats(measured.total, measured.per_param, coef, skip, new_state, measured.per_group or None)
+    return out, stats
 
 
 @torch.no_grad()
@@ -239,6 +257,7 @@ def adagc_clip_grad_norm_(
     pp_mesh: DeviceMesh | None = None,
     eps: float = 1e-6,
     groups: GroupSpec | None = None,
+    exclude: Collection[str] = (),
     tied: TiedSpec | None = None,
     partial: str = "error",
     nonfinite: str = "propagate",
@@ -268,6 +287,9 @@ def adagc_clip_grad_norm_(
             a parameter's norm may go (> 0).
         beta: Weight of the past in the running averages, in [0, 1).
         warmup: Steps under the global clip (AdaGC's ``T_start``), >= 0.
+        exclude: Labels of ``groups`` kept out of the clip: not in the
+            total (the warm-up's global clip, ``skip``), never scaled, their
+            ``gamma`` left alone (their norms are still reported).
         pp_dim, pp_mesh, eps, groups, tied, partial, nonfinite,
             overflow_safe: As :func:`clip_grad_norm_` (``eps`` is also the
             authors' 1e-6 in each per-parameter coefficient).
@@ -297,11 +319,12 @@ def adagc_clip_grad_norm_(
     rule = AdaGCRule(max_norm, relative, beta, warmup, eps)
     _check_clip_args(math.inf if max_norm is None else max_norm, eps, nonfinite)
     check_adagc_args(state, index, rule)
+    labels, excluded = check_exclude(groups, exclude)
     kind = norm_kind(norm_type)
     parameters, read_grads = _grad_reader(parameters, "adagc_clip_grad_norm_")
     opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, index, pp_mesh)
     measured = measure(read_grads, parameters, "parameter grad", mesh, kind, opts)
-    return _step(measured, index, state, rule, nonfinite, kind.p, inplace=True)[1]
+    return _step(measured, index, state, rule, nonfinite, kind.p, (labels, excluded, groups), inplace=True)[1]
 
 
 @torch.no_grad()
@@ -320,6 +343,7 @@ def adagc_clip_grad_norm(
     pp_mesh: DeviceMesh | None = None,
     eps: float = 1e-6,
     groups: GroupSpec | None = None,
+    exclude: Collection[str] = (),
     tied: TiedSpec | None = None,
     partial: str = "error",
     nonfinite: str = "propagate",
@@ -331,7 +355,7 @@ def adagc_clip_grad_norm(
         grads: A pytree of ``torch.Tensor``/``DTensor`` gradients or ``None``,
             with the structure ``index`` was built from.
         mesh, state, index, norm_type, max_norm, relative, beta, warmup,
-            pp_dim, pp_mesh, eps, groups, tied, partial, nonfinite,
+            pp_dim, pp_mesh, eps, groups, exclude, tied, partial, nonfinite,
             overflow_safe: As :func:`adagc_clip_grad_norm_`.
 
     Returns:
@@ -350,8 +374,9 @@ def adagc_clip_grad_norm(
     rule = AdaGCRule(max_norm, relative, beta, warmup, eps)
     _check_clip_args(math.inf if max_norm is None else max_norm, eps, nonfinite)
     check_adagc_args(state, index, rule)
+    labels, excluded = check_exclude(groups, exclude)
     kind = norm_kind(norm_type)
     opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, index, pp_mesh)
     measured = measure(lambda: grads, grads, "gradient", mesh, kind, opts)
-    scaled, stats = _step(measured, index, state, rule, nonfinite, kind.p, inplace=False)
+    scaled, stats = _step(measured, index, state, rule, nonfinite, kind.p, (labels, excluded, groups), inplace=False)
     return measured.leaves.unflatten(_rewrap(measured.leaves, scaled)), stats

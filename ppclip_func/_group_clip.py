@@ -22,6 +22,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._api import _check_clip_args, _grad_reader, _rewrap
+from ._exclude import check_exclude, included_total
 from ._measure import GroupNorms, Measured, NormOptions, PpDim, measure
 from ._norms import NormKind, norm_kind
 from ._paths import GroupSpec, TiedSpec, check_groups, group_index
@@ -45,13 +46,10 @@ def check_group_args(
     else:
         _check_clip_args(math.inf, eps, nonfinite)
     group_max_norm = dict(group_max_norm or {})
-    if not isinstance(exclude, Collection) or isinstance(exclude, str):
-        raise TypeError(f"exclude must be a collection of group labels, got {exclude!r}")
-    excluded = frozenset(exclude)
-    for what, names in (("group_max_norm", group_max_norm), ("exclude", excluded)):
-        unknown = [label for label in names if label not in labels]
-        if unknown:
-            raise ValueError(f"{what} names {unknown[0]!r}, which is not a label of groups ({labels})")
+    _, excluded = check_exclude(groups, exclude)
+    unknown = [label for label in group_max_norm if label not in labels]
+    if unknown:
+        raise ValueError(f"group_max_norm names {unknown[0]!r}, which is not a label of groups ({labels})")
     both = sorted(excluded & set(group_max_norm))
     if both:
         raise ValueError(f"group {both[0]!r} is both excluded (never scaled) and given a threshold in group_max_norm")
@@ -61,23 +59,6 @@ def check_group_args(
         except (TypeError, ValueError) as e:
             raise type(e)(f"group_max_norm[{label!r}]: {e}") from None
     return labels, group_max_norm, excluded
-
-
-def included_total(measured: Measured, kind: NormKind, labels: list[str], excluded: frozenset[str]) -> torch.Tensor:
-    """The norm of every leaf outside the excluded groups, from the reduced statistics (no collective).
-
-    The entries of the groups that count (and of the leaves in no group) are
-    decoded together as the total of the whole vector is: a group with no
-    leaf anywhere adds nothing, a NaN anywhere among them makes it NaN.
-    """
-    if not excluded:
-        return measured.total
-    reduced = measured.reduced
-    n = reduced.numel() // 2
-    keep = [i for i, label in enumerate(labels) if label not in excluded] + [len(labels)]
-    idx = torch.tensor(keep + [n + i for i in keep], dtype=torch.int64).to(reduced.device)
-    _, total = kind.decode(reduced[idx], per_group=False, n_total=len(keep))
-    return total.to(measured.total.dtype)
 
 
 def _scale_groups(
@@ -99,7 +80,7 @@ def _scale_groups(
     leaves = measured.leaves
     members: dict[int, list[int]] = {}
     for i, name in enumerate(leaves.names()):
-        members.setdefault(group_index(name, groups), []).append(i)
+        members.setdefault(group_index(name, groups), []).append(i)  # static: names only
     out = list(leaves.shards)
     for g, idx in members.items():
         label = labels[g] if g < len(labels) else None

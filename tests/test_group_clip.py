@@ -20,12 +20,22 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from ppclip_func import clip_grad_norm_by_group, clip_grad_norm_by_group_
+from ppclip_func import (
+    adagc_clip_grad_norm,
+    adaptive_clip_grad_norm,
+    adaptive_clip_grad_norm_,
+    clip_grad_norm_by_group,
+    clip_grad_norm_by_group_,
+    init_adagc_state,
+    init_clip_state,
+    param_norm_index,
+)
 from tests._cases import real_rank_test
 from tests._collectives import CollectiveCounter
 from tests._fake_pg import fake_world
 from tests._gather import model_gradient
 from tests._reference import reference_norm
+from tests.test_adagc import reference_run
 from tests.test_compile_fake_pg import CaptureBackend, assert_one_graph_one_collective
 
 GROUPS = {"embed": "embed", "experts": "experts", "muon": lambda name: name.endswith(".muon"), "nothing": "absent"}
@@ -211,3 +221,53 @@ def every_stage_clips_by_group_with_one_collective(rank: int, world_size: int) -
 
 
 test_on_real_ranks = real_rank_test([every_stage_clips_by_group_with_one_collective], 4)
+
+
+# --- exclude= on the adaptive clips: out of the total, the statistics and the skip decision -----------
+
+
+def test_the_zclip_clip_leaves_an_excluded_group_out_of_its_total_and_skip_decision():
+    grads = _grads()
+    grads["head.muon"][0, 0] = math.nan  # an excluded group's NaN: no skip, nothing NaN
+    want_clipped, want_total, _ = reference(grads, 2.0, max_norm=1.0, exclude={"muon"})
+    clipped, stats = adaptive_clip_grad_norm(grads, None, init_clip_state(), groups=GROUPS, exclude={"muon"}, z=None)
+    assert math.isclose(float(stats.total_norm), want_total, rel_tol=1e-6) and not bool(stats.skip)
+    assert math.isnan(float(stats.group_norms["muon"])), "still measured and returned"
+    for k, w in want_clipped.items():
+        if w is not None and _label(k) != "muon":
+            torch.testing.assert_close(clipped[k].double(), w, rtol=2e-6, atol=1e-12)
+    assert torch.equal(clipped["layers.0.attn.muon"], grads["layers.0.attn.muon"])
+    params = {k: torch.nn.Parameter(torch.zeros_like(g)) for k, g in grads.items() if g is not None}
+    for k, p in params.items():
+        p.grad = grads[k].clone()
+    stats = adaptive_clip_grad_norm_(params, None, init_clip_state(), groups=GROUPS, exclude={"muon"}, z=None)
+    assert not bool(stats.skip)
+    assert params["layers.0.attn.muon"].grad.equal(grads["layers.0.attn.muon"]), "never scaled"
+    torch.testing.assert_close(params["embed.weight"].grad.double(), want_clipped["embed.weight"], rtol=2e-6, atol=0)
+    with pytest.raises(ValueError, match="exclude names 'moun'"):
+        adaptive_clip_grad_norm(grads, None, init_clip_state(), groups=GROUPS, exclude={"moun"})
+
+
+def test_adagc_leaves_an_excluded_group_out_of_its_total_and_state():
+    opts = dict(max_norm=0.5, warmup=3, beta=0.9)
+    steps = [{k: v for k, v in _grads(i).items() if v is not None} for i in range(10)]
+    for s in steps[6:8]:
+        s["layers.0.experts.w"] = s["layers.0.experts.w"] * 20  # a spike, clipped
+    index = param_norm_index({k: torch.zeros_like(v) for k, v in steps[0].items()}, None)
+    counted = [{k: v for k, v in s.items() if _label(k) != "muon"} for s in steps]
+    want = reference_run(counted, **opts)
+    state = init_adagc_state(index)
+    clipped_spike = False
+    for i, (grads, (want_clipped, want_gamma, _)) in enumerate(zip(steps, want)):
+        clipped, stats = adagc_clip_grad_norm(grads, None, state, index, groups=GROUPS, exclude={"muon"}, **opts)
+        state = stats.state
+        gamma, coef = index.named(state.gamma), index.named(stats.coefficients)
+        clipped_spike |= i in (6, 7) and float(coef["layers.0.experts.w"]) < 0.5
+        for k, g in grads.items():
+            if _label(k) == "muon":
+                assert clipped[k] is g and float(coef[k]) == 1.0 and float(gamma[k]) == math.inf, (i, k)
+            else:
+                torch.testing.assert_close(clipped[k].double(), want_clipped[k], rtol=2e-6, atol=1e-12)
+                if k in want_gamma:
+                    assert math.isclose(float(gamma[k]), want_gamma[k], rel_tol=1e-6), (i, k)
+    assert clipped_spike, "the spike was clipped by its own history: the comparison could fail"
