@@ -200,10 +200,11 @@ def scale_per_leaf(
         drop = None if keep is None else ~keep.to(device)
         if inplace:
             torch._foreach_mul_(group, factors)
-            products = group
-        else:
-            products = torch._foreach_mul(group, factors)
-        for i, p in zip(idx, products):
+            if drop is not None:
+                for t in group:
+                    t.masked_fill_(drop, 0.0)
+            continue  # ``out`` already holds these tensors
+        for i, p in zip(idx, torch._foreach_mul(group, factors)):
             if drop is not None:
                 p.masked_fill_(drop, 0.0)
             out[i] = p if p.dtype == shards[i].dtype else p.to(shards[i].dtype)
@@ -231,12 +232,16 @@ def _step(
         coef = torch.where(mask, coef, 1.0)
         new_state = AdaGCState(new_state.count, torch.where(mask, new_state.gamma, state.gamma))
     slots = leaf_slots(index, leaves.index, len(leaves.flat), leaves.paths)
-    slots = [slots[i] for i in counted]
+    if len(counted) != len(slots):
+        slots = [slots[i] for i in counted]
     keep = finite_mask(measured.total, p, nonfinite)
     per_leaf = coef[torch.tensor(slots, dtype=torch.int64).to(coef.device)] if slots else coef[:0]
-    out = list(leaves.shards)
-    for i, t in zip(counted, scale_per_leaf([out[i] for i in counted], per_leaf, keep, inplace=inplace)):
-        out[i] = t
+    if len(counted) == len(leaves.shards):
+        out = scale_per_leaf(leaves.shards, per_leaf, keep, inplace=inplace)
+    else:
+        out = list(leaves.shards)
+        for i, t in zip(counted, scale_per_leaf([out[i] for i in counted], per_leaf, keep, inplace=inplace)):
+            out[i] = t
     stats = AdaGCStats(measured.total, measured.per_param, coef, skip, new_state, measured.per_group or None)
     return out, stats
 

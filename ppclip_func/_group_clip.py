@@ -22,10 +22,10 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._api import _check_clip_args, _grad_reader, _rewrap
-from ._exclude import check_exclude, included_total
+from ._exclude import check_exclude, group_members, included_total
 from ._measure import GroupNorms, Measured, NormOptions, PpDim, measure
 from ._norms import NormKind, norm_kind
-from ._paths import GroupSpec, TiedSpec, check_groups, group_index
+from ._paths import GroupSpec, TiedSpec, check_groups
 from ._scale import clip_coefficient, finite_mask, scale
 
 __all__ = ["clip_grad_norm_by_group", "clip_grad_norm_by_group_"]
@@ -78,9 +78,7 @@ def _scale_groups(
     keep = finite_mask(total, kind.p, nonfinite)
     overall = None if max_norm is None else clip_coefficient(max_norm, total, eps)
     leaves = measured.leaves
-    members: dict[int, list[int]] = {}
-    for i, name in enumerate(leaves.names()):
-        members.setdefault(group_index(name, groups), []).append(i)  # static: names only
+    members = group_members(leaves.names(), groups)  # static: names only
     out = list(leaves.shards)
     for g, idx in members.items():
         label = labels[g] if g < len(labels) else None
