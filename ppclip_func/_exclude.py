@@ -40,7 +40,9 @@ def group_members(names: list[str], groups: GroupSpec | None) -> dict[int, list[
     Matching every name against every pattern costs more than the clip itself
     on 1000 small leaves; a training loop passes the same names each step.
     """
-    return _members(tuple(names), tuple((groups or {}).items()))
+    key = (tuple(names), tuple((groups or {}).items()))
+    # Traced once under torch.compile, where the cache would only draw dynamo's warning.
+    return _members.__wrapped__(*key) if torch.compiler.is_compiling() else _members(*key)
 
 
 @functools.lru_cache(maxsize=16)
