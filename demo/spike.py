@@ -1,11 +1,11 @@
-"""A gradient spike on the 8-rank PP × FSDP2 × TP model: a fixed threshold, an adaptive one, and skipping.
+"""A gradient spike on the 8-rank PP × FSDP2 × TP model: a fixed threshold, an adaptive one, skipping, AdaGC.
 
 Run on 8 CPU ranks (gloo); ``make demo-spike`` does exactly this::
 
     python -m demo.spike
 
 The model, mesh and data of ``python -m demo`` (:mod:`demo.run`), trained
-three times from the same seed on the same batches, with the optimizer step
+four times from the same seed on the same batches, with the optimizer step
 (clip + AdamW) run eagerly. At one step (``--spike-step``) the loss of the
 whole batch is multiplied by ``--spike-scale`` (1000), so that step's
 gradient is 1000 times larger; with ``--spike-kind corrupt`` that batch's
@@ -18,7 +18,10 @@ direction of its own. The three runs differ only in the clip:
   target near their mean; ``--max-norm`` caps every step);
 * ``skip``: the same, with ``skip_z``: a step whose norm is that many
   standard deviations above the mean is not applied at all
-  (``skip_update_`` around AdamW: parameters and optimizer state unchanged).
+  (``skip_update_`` around AdamW: parameters and optimizer state unchanged);
+* ``adagc``: ``adagc_clip_grad_norm_`` (AdaGC, Wang et al. 2025: after the
+  same warm-up at ``--max-norm``, each parameter clipped to 1.04 times the
+  running average of its own clipped norm).
 
 Rank 0 prints the losses side by side, the norm, each run's threshold and
 skip decision, and, at the spike, the parameters whose gradient norm grew
@@ -42,12 +45,20 @@ from demo.run import BETAS, WEIGHT_DECAY, _quiet, model_and_data, on_demo_ranks
 
 __all__ = ["main"]
 
-MODES = ("fixed", "adaptive", "skip")
+MODES = ("fixed", "adaptive", "skip", "adagc")
 
 
 def _train(mode: str, args: argparse.Namespace, cfg: ModelConfig, data: list, mesh, say) -> list[dict]:
     """One training run on this rank; returns per-step records (meaningful on rank 0)."""
-    from ppclip_func import adaptive_clip_grad_norm_, clip_grad_norm_, init_clip_state, param_norm_index, skip_update_
+    from ppclip_func import (
+        adagc_clip_grad_norm_,
+        adaptive_clip_grad_norm_,
+        clip_grad_norm_,
+        init_adagc_state,
+        init_clip_state,
+        param_norm_index,
+        skip_update_,
+    )
 
     pp_rank, dp_rank, _ = mesh.get_coordinate()
     model = split_stage(build_model(cfg, args.seed), pp_rank, args.pp)
@@ -63,6 +74,7 @@ def _train(mode: str, args: argparse.Namespace, cfg: ModelConfig, data: list, me
     )  # fmt: skip
     index = param_norm_index(named, mesh)  # once: the names of every stage's parameters
     state = init_clip_state()
+    adagc_state = init_adagc_state(index)
     per_dp = args.batch // args.dp
     records = []
     for step, (inputs, targets) in enumerate(data):
@@ -74,6 +86,11 @@ def _train(mode: str, args: argparse.Namespace, cfg: ModelConfig, data: list, me
             if mode == "fixed":
                 norm = clip_grad_norm_(params, mesh, args.max_norm)
                 threshold, skip, param_norms = torch.tensor(args.max_norm), torch.tensor(False), None
+                adam.step()
+            elif mode == "adagc":
+                ada = adagc_clip_grad_norm_(named, mesh, adagc_state, index, max_norm=args.max_norm, warmup=args.warmup)
+                norm, skip, param_norms, adagc_state = ada.total_norm, ada.skip, ada.param_norms, ada.state
+                threshold = ada.coefficients.nan_to_num(nan=1.0).min()  # the smallest coefficient, for the table
                 adam.step()
             else:
                 stats = adaptive_clip_grad_norm_(
@@ -105,7 +122,8 @@ def _train(mode: str, args: argparse.Namespace, cfg: ModelConfig, data: list, me
             }
         )
         if step + 1 == args.spike_step:
-            say(f"  {mode}: spike at step {step + 1}: norm {float(norm):.1f}, threshold {float(threshold):.3f}")
+            what = "smallest coefficient" if mode == "adagc" else "threshold"
+            say(f"  {mode}: spike at step {step + 1}: norm {float(norm):.1f}, {what} {float(threshold):.3g}")
     return records
 
 
@@ -131,15 +149,15 @@ def _report(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
     what = "" if args.spike_kind == "scaled" else ", and its targets are random tokens"
     print(f"\nloss per step; the loss of step {args.spike_step} is multiplied by {args.spike_scale:g}{what}")
     print(
-        f"{'step':>4}  {'norm':>9}  {'loss fixed':>10}  {'loss adaptive':>13}  {'loss skip':>9}  "
-        f"{'thr fixed':>9}  {'thr adaptive':>12}  {'skipped':>7}"
+        f"{'step':>4}  {'norm':>9}  {'loss fixed':>10}  {'loss adaptive':>13}  {'loss skip':>9}  {'loss adagc':>10}  "
+        f"{'thr fixed':>9}  {'thr adaptive':>12}  {'adagc coef':>10}  {'skipped':>7}"
     )
-    fixed, adaptive, skip = (runs[m] for m in MODES)
-    for i, (f, a, s) in enumerate(zip(fixed, adaptive, skip)):
+    fixed, adaptive, skip, adagc = (runs[m] for m in MODES)
+    for i, (f, a, s, g) in enumerate(zip(fixed, adaptive, skip, adagc)):
         mark = "  <- spike" if i + 1 == args.spike_step else ""
         print(
-            f"{i + 1:4d}  {f['norm']:9.3f}  {f['loss']:10.4f}  {a['loss']:13.4f}  {s['loss']:9.4f}  "
-            f"{f['threshold']:9.3f}  {a['threshold']:12.3f}  {'yes' if s['skip'] else '':>7}{mark}"
+            f"{i + 1:4d}  {f['norm']:9.3f}  {f['loss']:10.4f}  {a['loss']:13.4f}  {s['loss']:9.4f}  {g['loss']:10.4f}  "
+            f"{f['threshold']:9.3f}  {a['threshold']:12.3f}  {g['threshold']:10.3g}  {'yes' if s['skip'] else '':>7}{mark}"
         )
     after = slice(args.spike_step, None)
     for mode in MODES:

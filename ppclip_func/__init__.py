@@ -5,6 +5,7 @@ every leaf is weighed by its layout, all of them are combined locally, and a
 single functional all-reduce gives every rank the norm of the whole model.
 """
 
+from ._adagc import AdaGCState, AdaGCStats, adagc_clip_grad_norm, adagc_clip_grad_norm_, init_adagc_state
 from ._adaptive import ClipState, ClipStats, init_clip_state, select_update, skip_update_
 from ._api import (
     adaptive_clip_grad_norm,
@@ -14,9 +15,10 @@ from ._api import (
     clip_grads_with_norm,
     global_grad_norm,
 )
+from ._group_clip import clip_grad_norm_by_group, clip_grad_norm_by_group_
 from ._optim import adaptive_clip_grad_norm_in_optimizer, clip_grad_norm_in_optimizer
 from ._params import ParamIndex, param_norm_index
-from ._stateful import ClipStateful
+from ._stateful import AdaGCStateful, ClipStateful
 
 __all__ = [
     # Measure, apply, or both (pure).
@@ -25,6 +27,9 @@ __all__ = [
     "clip_grad_norm",
     # In place on p.grad: the drop-in for torchtitan-style trainers.
     "clip_grad_norm_",
+    # A threshold per group; groups kept out of the total and never scaled (Muon's parameters).
+    "clip_grad_norm_by_group_",
+    "clip_grad_norm_by_group",
     # Handed to the optimizer's next step: fused kernels clip and skip as they read the grads.
     "clip_grad_norm_in_optimizer",
     "adaptive_clip_grad_norm_in_optimizer",
@@ -38,8 +43,15 @@ __all__ = [
     "select_update",
     "param_norm_index",
     "ParamIndex",
+    # Per-parameter thresholds that follow each parameter's own history (AdaGC).
+    "adagc_clip_grad_norm_",
+    "adagc_clip_grad_norm",
+    "init_adagc_state",
+    "AdaGCState",
+    "AdaGCStats",
     # The adaptive state in a checkpoint (torch.distributed.checkpoint, torchtitan).
     "ClipStateful",
+    "AdaGCStateful",
 ]
 
 __version__ = "0.2.0.dev0"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any, TypeVar, overload
 
 import torch
@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from ._adaptive import ClipState, ClipStats, Rule, adapt, check_adaptive_args
+from ._exclude import check_exclude, without_excluded
 from ._measure import GroupNorms, Measured, NormOptions, PpDim, measure
 from ._norms import norm_kind
 from ._params import ParamIndex
@@ -433,6 +434,7 @@ def adaptive_clip_grad_norm_(
     pp_mesh: DeviceMesh | None = None,
     eps: float = 1e-6,
     groups: GroupSpec | None = None,
+    exclude: Collection[str] = (),
     tied: TiedSpec | None = None,
     partial: str = "error",
     nonfinite: str = "propagate",
@@ -498,6 +500,9 @@ def adaptive_clip_grad_norm_(
         param_norms: A :class:`ParamIndex` from :func:`param_norm_index`:
             every parameter's norm, of the whole model, on every rank, from
             the same collective.
+        exclude: Labels of ``groups`` kept out of the clip: not in
+            ``total_norm`` (so not in the statistics nor the skip decision),
+            never scaled; their norms are still in ``group_norms``.
         pp_dim, pp_mesh, eps, groups, tied, partial, nonfinite,
             overflow_safe: As :func:`clip_grad_norm_` (``eps=1e-6`` is
             ZClip's clip coefficient, whatever its own ``eps``).
@@ -532,12 +537,15 @@ def adaptive_clip_grad_norm_(
     rule = Rule(max_norm, z, alpha, warmup, skip_z, mode, clip_option, clip_factor, zscore_eps, freeze_on_spike)
     _check_clip_args(math.inf if max_norm is None else max_norm, eps, nonfinite)  # None: no cap
     check_adaptive_args(state, rule)
+    labels, excluded = check_exclude(groups, exclude)
     kind = norm_kind(norm_type)
     parameters, read_grads = _grad_reader(parameters, "adaptive_clip_grad_norm_")
     opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, param_norms, pp_mesh)
     measured = measure(read_grads, parameters, "parameter grad", mesh, kind, opts)
+    measured, scaled = without_excluded(measured, kind, groups, labels, excluded)
     stats = _adapt(measured, state, rule, groups is not None)
-    _apply(measured.leaves.shards, stats.threshold, measured.total, eps, nonfinite, kind.p, inplace=True)
+    shards = measured.leaves.shards
+    _apply([shards[i] for i in scaled], stats.threshold, measured.total, eps, nonfinite, kind.p, inplace=True)
     return stats
 
 
@@ -563,6 +571,7 @@ def adaptive_clip_grad_norm(
     pp_mesh: DeviceMesh | None = None,
     eps: float = 1e-6,
     groups: GroupSpec | None = None,
+    exclude: Collection[str] = (),
     tied: TiedSpec | None = None,
     partial: str = "error",
     nonfinite: str = "propagate",
@@ -574,8 +583,9 @@ def adaptive_clip_grad_norm(
         grads: A pytree of ``torch.Tensor``/``DTensor`` gradients or ``None``.
         mesh, state, norm_type, max_norm, z, alpha, warmup, mode,
             clip_option, clip_factor, zscore_eps, freeze_on_spike, skip_z,
-            param_norms, pp_dim, pp_mesh, eps, groups, tied, partial,
-            nonfinite, overflow_safe: As :func:`adaptive_clip_grad_norm_`.
+            param_norms, pp_dim, pp_mesh, eps, groups, exclude, tied,
+            partial, nonfinite, overflow_safe: As :func:`adaptive_clip_grad_norm_`
+            (excluded leaves come back unscaled).
 
     Returns:
         The clipped gradients, with the structure of ``grads``, and a
@@ -591,12 +601,17 @@ def adaptive_clip_grad_norm(
     rule = Rule(max_norm, z, alpha, warmup, skip_z, mode, clip_option, clip_factor, zscore_eps, freeze_on_spike)
     _check_clip_args(math.inf if max_norm is None else max_norm, eps, nonfinite)  # None: no cap
     check_adaptive_args(state, rule)
+    labels, excluded = check_exclude(groups, exclude)
     kind = norm_kind(norm_type)
     opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, param_norms, pp_mesh)
     measured = measure(lambda: grads, grads, "gradient", mesh, kind, opts)
+    measured, scaled = without_excluded(measured, kind, groups, labels, excluded)
     stats = _adapt(measured, state, rule, groups is not None)
-    scaled = _apply(measured.leaves.shards, stats.threshold, measured.total, eps, nonfinite, kind.p, inplace=False)
-    return measured.leaves.unflatten(_rewrap(measured.leaves, scaled)), stats
+    out = list(measured.leaves.shards)
+    new = _apply([out[i] for i in scaled], stats.threshold, measured.total, eps, nonfinite, kind.p, inplace=False)
+    for i, t in zip(scaled, new):
+        out[i] = t
+    return measured.leaves.unflatten(_rewrap(measured.leaves, out)), stats
 
 
 def _adapt(measured: Measured, state: ClipState, rule: Rule, with_groups: bool) -> ClipStats:

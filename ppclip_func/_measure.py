@@ -47,12 +47,18 @@ class NormOptions:
 
 @dataclasses.dataclass(frozen=True)
 class Measured:
-    """A measured norm: the leaves it read, the total, each group's norm and each parameter's (if asked)."""
+    """A measured norm: the leaves it read, the total, each group's norm and each parameter's (if asked).
+
+    ``reduced`` is the all-reduced statistics vector itself (``NormKind.encode``'s
+    layout: groups, the leaves in none, parameters; then their levels), for a
+    capability that combines entries of its own (a total over some groups).
+    """
 
     leaves: Leaves
     total: torch.Tensor
     per_group: dict[str, torch.Tensor]
     per_param: torch.Tensor | None = None
+    reduced: torch.Tensor | None = None
 
     def norms(self, with_groups: bool) -> torch.Tensor | tuple[torch.Tensor, GroupNorms]:
         """Returns the public result: the total, and the groups' norms if asked for."""
@@ -90,13 +96,12 @@ def measure(
         release_peers(mesh, given, kind, opts.pp_dim, opts.pp_mesh, _n_entries(opts))
         raise
     n = len(labels) + 1
-    per_entry, total = kind.decode(
-        all_reduce_statistics(stats, kind, world), per_group=bool(labels) or opts.params is not None, n_total=n
-    )
+    reduced = all_reduce_statistics(stats, kind, world)
+    per_entry, total = kind.decode(reduced, per_group=bool(labels) or opts.params is not None, n_total=n)
     dtype = _norm_dtype()
     groups = {label: per_entry[i].to(dtype) for i, label in enumerate(labels)} if labels else {}
     per_param = per_entry[n:].to(dtype) if opts.params is not None else None
-    return Measured(leaves, total.to(dtype), groups, per_param)
+    return Measured(leaves, total.to(dtype), groups, per_param, reduced)
 
 
 def _n_entries(opts: NormOptions) -> int:

@@ -6,6 +6,11 @@ dict it is given, on every rank; torchtitan's ``CheckpointManager`` passes
 the Statefuls of its ``states`` argument on to it beside the model and the
 optimizer. :class:`ClipStateful` is that object for a :class:`ClipState`.
 
+:class:`AdaGCStateful` does the same for AdaGC's :class:`AdaGCState`, its
+per-parameter running norms keyed by parameter name, so that a checkpoint
+loads into another sharding or another split into pipeline stages (every
+rank's index names every parameter of the whole model).
+
 The state is three 0-dim tensors that every rank computes from the same
 all-reduced norm, so they are bitwise identical on every rank: DCP saves
 them as replicated tensors, once, and any number of ranks loads them, the
@@ -20,9 +25,11 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
+from ._adagc import AdaGCState, init_adagc_state
 from ._adaptive import ClipState, init_clip_state
+from ._params import ParamIndex
 
-__all__ = ["ClipStateful"]
+__all__ = ["AdaGCStateful", "ClipStateful"]
 
 _KEYS = ClipState._fields  # ("count", "mean", "var")
 
@@ -102,3 +109,95 @@ class ClipStateful(Stateful):
 
     def __repr__(self) -> str:
         return f"ClipStateful({self._state!r})"
+
+
+class AdaGCStateful(Stateful):
+    """Holds AdaGC's :class:`AdaGCState` for ``torch.distributed.checkpoint`` and torchtitan, keyed by parameter name.
+
+    ``state_dict()`` is ``{"count": 0-dim, "gamma": {parameter name: 0-dim}}``:
+    every rank holds every parameter's ``gamma`` (computed from the same
+    all-reduced norms, bitwise the same everywhere), so DCP saves each once,
+    and a run whose index lists the same names in another order (another
+    stage split, another sharding) loads it by name.
+
+    Args:
+        index: The :class:`ParamIndex` every step passes.
+        device: Where the grads live, as :func:`init_adagc_state`.
+        dtype: Of ``gamma``, as :func:`init_adagc_state`.
+
+    Example:
+        >>> import torch
+        >>> from ppclip_func import AdaGCStateful, adagc_clip_grad_norm_, param_norm_index
+        >>> params = {"w": torch.nn.Parameter(torch.zeros(2)), "b": torch.nn.Parameter(torch.zeros(1))}
+        >>> clip = AdaGCStateful(param_norm_index(params, None))
+        >>> params["w"].grad, params["b"].grad = torch.full((2,), 0.3), torch.full((1,), 0.1)
+        >>> clip.state = adagc_clip_grad_norm_(params, None, clip.state, clip.index).state
+        >>> saved = clip.state_dict()
+        >>> saved["gamma"]
+        {'w': tensor(0.4243, dtype=torch.float64), 'b': tensor(0.1000, dtype=torch.float64)}
+        >>> resumed = AdaGCStateful(param_norm_index({"b": params["b"], "w": params["w"]}, None))  # another order
+        >>> resumed.load_state_dict(saved)
+        >>> resumed.state.gamma
+        tensor([0.1000, 0.4243], dtype=torch.float64)
+    """
+
+    def __init__(
+        self, index: ParamIndex, device: torch.device | str | None = None, dtype: torch.dtype = torch.float64
+    ) -> None:
+        self.index = index
+        self.state = init_adagc_state(index, device, dtype)
+
+    @property
+    def state(self) -> AdaGCState:
+        """The state for the next step; set it to each step's ``stats.state``."""
+        return self._state
+
+    @state.setter
+    def state(self, state: AdaGCState) -> None:
+        if not isinstance(state, AdaGCState) or not all(isinstance(t, torch.Tensor) for t in state):
+            raise TypeError(f"state must be an AdaGCState (a step's stats.state), got {state!r}")
+        if state.count.dim() != 0 or state.gamma.shape != (len(self.index.names),):
+            raise ValueError(
+                f"state must have a 0-dim count and {len(self.index.names)} gammas (one per name of the index), "
+                f"got shapes {tuple(state.count.shape)} and {tuple(state.gamma.shape)}"
+            )
+        self._state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        """Returns ``{"count": 0-dim, "gamma": {name: 0-dim}}``: copies of the state's tensors."""
+        gamma = self._state.gamma.detach().clone()
+        return {"count": self._state.count.detach().clone(), "gamma": dict(zip(self.index.names, gamma.unbind()))}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restores the state by parameter name, onto the holder's device, in its dtypes.
+
+        Raises:
+            TypeError: ``state_dict`` is not ``{"count": tensor, "gamma": {name: tensor}}``.
+            ValueError: Its names are not this index's names (the missing and
+                the unknown ones are named), or a tensor is not 0-dim.
+        """
+        if not isinstance(state_dict, Mapping) or set(state_dict) != {"count", "gamma"}:
+            keys = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__
+            raise TypeError(f"state_dict must be a mapping with the keys 'count' and 'gamma', got {keys}")
+        count, gamma = state_dict["count"], state_dict["gamma"]
+        if not isinstance(gamma, Mapping):
+            raise TypeError(f"state_dict['gamma'] must map parameter names to tensors, got {type(gamma).__name__}")
+        missing = [n for n in self.index.names if n not in gamma]
+        unknown = sorted(set(gamma) - set(self.index.names))
+        if missing or unknown:
+            raise ValueError(
+                f"state_dict['gamma'] does not name this index's parameters: missing {missing}, unknown {unknown}"
+            )
+        for key, value in [("count", count), *((f"gamma[{n!r}]", gamma[n]) for n in self.index.names)]:
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"state_dict {key} must be a tensor, got {type(value).__name__}")
+            if value.dim() != 0:
+                raise ValueError(f"state_dict {key} must be a 0-dim tensor, got shape {tuple(value.shape)}")
+        old = self._state
+        values = torch.stack(
+            [gamma[n].detach().to(device=old.gamma.device, dtype=old.gamma.dtype) for n in self.index.names]
+        )
+        self._state = AdaGCState(count.detach().to(device=old.count.device, dtype=old.count.dtype, copy=True), values)
+
+    def __repr__(self) -> str:
+        return f"AdaGCStateful({self._state!r})"

@@ -41,10 +41,12 @@ def test_the_spike_is_clipped_or_skipped_and_the_runs_agree_before_it(output: st
     norm = float(rows[SPIKE - 1][1])
     assert norm > 100 * float(rows[SPIKE - 2][1]), "the spiked step's norm is about 1000 times the others"
     for r in rows[:5]:  # the losses of the warm-up steps (4) and the one after: every run clipped at max_norm
-        assert r[2] == r[3] == r[4], f"the runs differ in warm-up: {r}"
+        assert r[2] == r[3] == r[4] == r[5], f"the runs differ in warm-up: {r}"
     for r in rows[:SPIKE]:  # the skipping run is the adaptive one until it skips
         assert r[3] == r[4], f"adaptive and skipping runs differ before the spike: {r}"
     skipped = [int(r[0]) for r in rows if "yes" in r]
     assert skipped == [SPIKE], skipped
     assert re.search(r"skip: spike at step 8: norm [\d.]+, threshold", output)
+    assert float(rows[SPIKE - 1][8]) < 0.01, "AdaGC clipped the spiked parameters to their own history"
+    assert re.search(r"adagc: spike at step 8: norm [\d.]+, smallest coefficient", output)
     assert "per-parameter norms (all 21 parameters, every stage, on every rank)" in output

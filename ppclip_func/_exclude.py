@@ -1,0 +1,104 @@
+"""Groups kept out of a clip: which leaves and parameters count, and their total from the one collective.
+
+Static on names (a leaf's group is the first whose pattern matches it, as for
+``groups=``), except :func:`included_total`, which decodes the entries of the
+groups that count from the clip's all-reduced statistics vector: no second
+collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Collection
+from typing import Any
+
+import torch
+
+from ._measure import Measured
+from ._norms import NormKind
+from ._paths import GroupSpec, check_groups, group_index
+from ._tree import Leaves
+
+__all__: list[str] = []
+
+
+def check_exclude(groups: GroupSpec | None, exclude: Any) -> tuple[list[str], frozenset[str]]:
+    """Returns ``(group labels, excluded labels)``; raises naming a label that is not one of ``groups``."""
+    labels = check_groups(groups)
+    if not isinstance(exclude, Collection) or isinstance(exclude, str):
+        raise TypeError(f"exclude must be a collection of group labels, got {exclude!r}")
+    unknown = [label for label in exclude if label not in labels]
+    if unknown:
+        raise ValueError(f"exclude names {unknown[0]!r}, which is not a label of groups ({labels})")
+    return labels, frozenset(exclude)
+
+
+def group_members(names: list[str], groups: GroupSpec | None) -> dict[int, list[int]]:
+    """``{group index: positions of its leaves}`` (``len(groups)`` for leaves in no group); static, cached.
+
+    Matching every name against every pattern costs more than the clip itself
+    on 1000 small leaves; a training loop passes the same names each step.
+    """
+    key = (tuple(names), tuple((groups or {}).items()))
+    # Traced once under torch.compile, where the cache would only draw dynamo's warning.
+    return _members.__wrapped__(*key) if torch.compiler.is_compiling() else _members(*key)
+
+
+@functools.lru_cache(maxsize=16)
+def _members(names: tuple[str, ...], groups: tuple[tuple[str, Any], ...]) -> dict[int, list[int]]:
+    spec = dict(groups)
+    members: dict[int, list[int]] = {}
+    for i, name in enumerate(names):
+        members.setdefault(group_index(name, spec), []).append(i)
+    return members
+
+
+def included_leaves(leaves: Leaves, groups: GroupSpec | None, labels: list[str], excluded: frozenset[str]) -> list[int]:
+    """The positions of the leaves outside the excluded groups (static: names only)."""
+    if not excluded:
+        return list(range(len(leaves.tensors)))
+    members = group_members(leaves.names(), groups)
+    kept = [idx for g, idx in members.items() if (labels[g] if g < len(labels) else None) not in excluded]
+    return sorted(i for idx in kept for i in idx)
+
+
+def included_params(
+    names: tuple[str, ...], groups: GroupSpec | None, labels: list[str], excluded: frozenset[str]
+) -> list[bool] | None:
+    """A bool per parameter name: outside the excluded groups (static), or ``None`` when nothing is excluded."""
+    if not excluded:
+        return None
+    return [_label_of(name, groups, labels) not in excluded for name in names]
+
+
+def _label_of(name: str, groups: GroupSpec | None, labels: list[str]) -> str | None:
+    g = group_index(name, groups)
+    return labels[g] if g < len(labels) else None
+
+
+def included_total(measured: Measured, kind: NormKind, labels: list[str], excluded: frozenset[str]) -> torch.Tensor:
+    """The norm of every leaf outside the excluded groups, from the reduced statistics (no collective).
+
+    The entries of the groups that count (and of the leaves in no group) are
+    decoded together as the total of the whole vector is: a group with no
+    leaf anywhere adds nothing, a NaN anywhere among them makes it NaN.
+    """
+    if not excluded:
+        return measured.total
+    reduced = measured.reduced
+    n = reduced.numel() // 2
+    keep = [i for i, label in enumerate(labels) if label not in excluded] + [len(labels)]
+    idx = torch.tensor(keep + [n + i for i in keep], dtype=torch.int64).to(reduced.device)
+    _, total = kind.decode(reduced[idx], per_group=False, n_total=len(keep))
+    return total.to(measured.total.dtype)
+
+
+def without_excluded(
+    measured: Measured, kind: NormKind, groups: GroupSpec | None, labels: list[str], excluded: frozenset[str]
+) -> tuple[Measured, list[int]]:
+    """``measured`` with the total over the included groups, and the positions of the leaves to scale."""
+    if not excluded:
+        return measured, list(range(len(measured.leaves.tensors)))
+    total = included_total(measured, kind, labels, excluded)
+    return dataclasses.replace(measured, total=total), included_leaves(measured.leaves, groups, labels, excluded)
