@@ -20,11 +20,12 @@ by one that reads the skip flag on the host (one sync, which a trainer that
 logs the norm pays anyway) and returns without stepping when it is set.
 
 Containers of optimizers (torchtitan's ``OptimizersContainer``, anything
-with an ``optimizers`` list) are handled optimizer by optimizer. Everything
-here is eager: an ``optimizer.step()`` is a graph break by design in torch,
-and under ``torch.compile`` the traced clip and
-:func:`~ppclip_func.select_update` / :func:`~ppclip_func.skip_update_` fuse
-into the compiled functional step instead (see the README).
+with an ``optimizers`` list) are handled optimizer by optimizer. Under
+``torch.compile`` the norm is traced and the hand-over runs at a graph
+break, as a fused ``optimizer.step()`` does; for one graph with no break,
+the traced clip and :func:`~ppclip_func.select_update` /
+:func:`~ppclip_func.skip_update_` fuse into a compiled functional step
+instead (see the README).
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ def takes_scale(optimizer: Optimizer) -> bool:
     return isinstance(optimizer, _FUSED_TYPES) and all(g.get("fused") for g in optimizer.param_groups)
 
 
+# Host-side bookkeeping on Python objects (attributes, hooks, a bound method): under torch.compile
+# it runs eagerly, at a graph break, as the optimizer step it prepares does.
+@torch.compiler.disable
 def hand_over(optimizers: Iterable[Optimizer], coef: torch.Tensor, skip: torch.Tensor | None) -> None:
     """Arranges for each optimizer's next ``step()`` to clip by ``coef`` and to skip where ``skip``.
 
@@ -180,8 +184,8 @@ def clip_grad_norm_in_optimizer(
 
     On CPU, torch's fused kernels write the clipped gradients back into
     ``.grad``; on CUDA ``.grad`` keeps the unclipped values (the step uses
-    the clipped ones). Eager only: see the module docstring for compiled
-    steps. Not combined with ``torch.amp.GradScaler`` (its ``found_inf`` and
+    the clipped ones). Under ``torch.compile`` the hand-over runs at a graph
+    break (see the module docstring). Not combined with ``torch.amp.GradScaler`` (its ``found_inf`` and
     scale replace what is handed over).
 
     Args:
