@@ -78,7 +78,7 @@ def init_clip_state(device: torch.device | str | None = None, dtype: torch.dtype
 
     Args:
         device: Where the grads live (the state must be on the same device).
-        dtype: Of ``mean`` and ``var``; float32 matches the norm's dtype.
+        dtype: Of ``mean`` and ``var``; float32 is plenty for them (the norm itself is float64).
 
     Example:
         >>> from ppclip_func import init_clip_state

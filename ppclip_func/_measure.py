@@ -58,18 +58,6 @@ class Measured:
         return (self.total, self.per_group) if with_groups else self.total
 
 
-def _norm_dtype() -> torch.dtype:
-    """float32, or float64 when torch's default dtype is.
-
-    Something every rank shares, so that every rank rounds the same reduced
-    bits the same way (a stage's own leaf dtypes would not be). The clip
-    coefficient is computed from this rounded norm, so a two-step clip
-    (``global_grad_norm``, then ``clip_grads_with_norm``) equals the one-step
-    clip bit for bit.
-    """
-    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-
-
 def measure(
     read_grads: Callable[[], Any], given: Any, what: str, mesh: DeviceMesh | None, kind: NormKind, opts: NormOptions
 ) -> Measured:
@@ -92,10 +80,11 @@ def measure(
     per_entry, total = kind.decode(
         all_reduce_statistics(stats, kind, world), per_group=bool(labels) or opts.params is not None, n_total=n
     )
-    dtype = _norm_dtype()
-    groups = {label: per_entry[i].to(dtype) for i, label in enumerate(labels)} if labels else {}
-    per_param = per_entry[n:].to(dtype) if opts.params is not None else None
-    return Measured(leaves, total.to(dtype), groups, per_param)
+    # Float64, as the reduced statistics: every rank holds these bits, whatever leaves it holds (a
+    # stage's own dtypes would differ between stages), and a float64 model keeps a float64 norm.
+    groups = {label: per_entry[i] for i, label in enumerate(labels)} if labels else {}
+    per_param = per_entry[n:] if opts.params is not None else None
+    return Measured(leaves, total, groups, per_param)
 
 
 def _n_entries(opts: NormOptions) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 
@@ -11,16 +12,29 @@ __all__: list[str] = []
 NONFINITE_POLICIES = ("propagate", "zero", "error")
 
 
-def clip_coefficient(max_norm: float | torch.Tensor, total_norm: torch.Tensor, eps: float) -> torch.Tensor:
-    """Returns ``min(max_norm / (total_norm + eps), 1)`` as a 0-dim tensor.
+def clip_coefficient(
+    max_norm: float | torch.Tensor, total_norm: torch.Tensor, eps: float, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Returns ``min(max_norm / (total_norm + eps), 1)`` as a 0-dim tensor, computed in ``dtype``.
 
     Clamping instead of ``if total_norm > max_norm`` keeps the decision on
     the device: a Python ``if`` on a tensor would need a device-to-host sync
     every step, and a graph break under ``torch.compile``.
 
-    The coefficient has ``total_norm``'s dtype; :func:`scale` rounds it once
-    to each gradient's compute dtype.
+    Args:
+        max_norm: A number or a 0-dim tensor.
+        total_norm: The 0-dim norm (float64 from :func:`global_grad_norm`).
+        eps: Added to the norm before dividing.
+        dtype: The arithmetic's dtype (default ``total_norm``'s). :func:`scale`
+            asks for each gradient's compute dtype: float32 for fp32, bf16 and
+            fp16 leaves, float64 for float64 ones. Each is a function of the
+            norm alone, so every rank, whatever leaves it holds, scales a leaf
+            of a given dtype by the same coefficient.
     """
+    if dtype is not None and total_norm.dtype != dtype:
+        total_norm = total_norm.to(dtype)
+    if isinstance(max_norm, torch.Tensor) and max_norm.dtype != total_norm.dtype:
+        max_norm = max_norm.to(total_norm.dtype)
     return torch.clamp(max_norm / (total_norm + eps), max=1.0)
 
 
@@ -60,13 +74,19 @@ def finite_mask(total_norm: torch.Tensor, norm_type: float | None, nonfinite: st
 
 
 def scale(
-    tensors: list[torch.Tensor], coef: torch.Tensor, *, inplace: bool, keep: torch.Tensor | None = None
+    tensors: list[torch.Tensor],
+    coefficient: Callable[[torch.dtype], torch.Tensor],
+    *,
+    inplace: bool,
+    keep: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
-    """Multiplies every tensor by ``coef``, one foreach call per (device, dtype).
+    """Multiplies every tensor by its clip coefficient, one foreach call per (device, dtype).
 
     Args:
         tensors: The local shards to scale.
-        coef: The 0-dim clip coefficient.
+        coefficient: The 0-dim clip coefficient computed in a given dtype
+            (:func:`clip_coefficient` with its first three arguments bound);
+            called once per compute dtype.
         inplace: Scale the tensors themselves instead of returning new ones.
         keep: Optional 0-dim bool tensor; where ``False`` every result is
             zero (``nonfinite="zero"``). ``coef * inf`` would be ``nan``, so
@@ -80,8 +100,12 @@ def scale(
         higher precision of the pair and rounded once.
     """
     out: list[torch.Tensor] = list(tensors)
+    coefs: dict[torch.dtype, torch.Tensor] = {}
     for (device, dtype), (group, idx) in _by_device_and_dtype(tensors).items():
-        c = coef.to(device, torch.float64 if dtype == torch.float64 else torch.float32)
+        compute = torch.float64 if dtype == torch.float64 else torch.float32
+        if compute not in coefs:
+            coefs[compute] = coefficient(compute)
+        c = coefs[compute].to(device)
         drop = None if keep is None else ~keep.to(device)
         if inplace:
             torch._foreach_mul_(group, c)
