@@ -169,7 +169,12 @@ def clip_grads_with_norm(
         eps: Added to ``total_norm`` before dividing.
         nonfinite: What to do when ``total_norm`` is inf or NaN:
             ``"propagate"`` (scale anyway, as torch does), ``"zero"`` (return
-            all-zero grads, on the device, no sync) or ``"error"`` (raise).
+            all-zero grads, on the device, no sync), ``"error"`` (raise; a
+            host read, not under ``torch.compile``) or ``"abort"`` (stop the
+            process with ``torch._assert_async``: no host read, eager or
+            compiled; on CPU a ``RuntimeError`` before any grad is scaled,
+            on CUDA a device-side assert that loses the CUDA context; see
+            the README's "Failure modes").
 
     Returns:
         The scaled gradients, with the structure of ``grads``.
@@ -179,7 +184,9 @@ def clip_grads_with_norm(
             ``total_norm`` is not a 0-dim tensor.
         ValueError: ``max_norm`` or ``eps`` is negative or NaN, or
             ``nonfinite`` is not a policy.
-        RuntimeError: ``nonfinite="error"`` and ``total_norm`` is not finite.
+        RuntimeError: ``nonfinite="error"`` and ``total_norm`` is not finite;
+            or ``nonfinite="abort"`` and it is not finite, on CPU (on CUDA
+            the next synchronizing call fails instead).
 
     Example:
         >>> import torch
@@ -264,8 +271,8 @@ def clip_grad_norm(
         groups: Per-group norms (see :func:`global_grad_norm`).
         tied: Leaves held by several pipeline stages (see :func:`global_grad_norm`).
         partial: ``"error"`` or ``"reduce"`` (see :func:`global_grad_norm`).
-        nonfinite: ``"propagate"``, ``"zero"`` or ``"error"`` (see
-            :func:`clip_grads_with_norm`).
+        nonfinite: ``"propagate"``, ``"zero"``, ``"error"`` or ``"abort"``
+            (see :func:`clip_grads_with_norm`).
         overflow_safe: Float64 accumulation (see :func:`global_grad_norm`).
 
     Returns:
@@ -365,8 +372,8 @@ def clip_grad_norm_(
         groups: Per-group norms (see :func:`global_grad_norm`).
         tied: Leaves held by several pipeline stages (see :func:`global_grad_norm`).
         partial: ``"error"`` or ``"reduce"`` (see :func:`global_grad_norm`).
-        nonfinite: ``"propagate"``, ``"zero"`` or ``"error"`` (see
-            :func:`clip_grads_with_norm`).
+        nonfinite: ``"propagate"``, ``"zero"``, ``"error"`` or ``"abort"``
+            (see :func:`clip_grads_with_norm`).
         overflow_safe: Float64 accumulation (see :func:`global_grad_norm`).
 
     Returns:

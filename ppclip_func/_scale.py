@@ -9,7 +9,8 @@ import torch
 
 __all__: list[str] = []
 
-NONFINITE_POLICIES = ("propagate", "zero", "error")
+NONFINITE_POLICIES = ("propagate", "zero", "error", "abort")
+ABORT_MESSAGE = "the global gradient norm is non-finite (nonfinite='abort')"
 
 
 def clip_coefficient(
@@ -42,10 +43,11 @@ def finite_mask(total_norm: torch.Tensor, norm_type: float | None, nonfinite: st
     """Applies the ``nonfinite`` policy to the total norm before any gradient is scaled.
 
     Returns:
-        ``None`` for ``"propagate"`` and ``"error"`` (gradients are scaled as
-        computed); for ``"zero"``, a 0-dim bool tensor that is ``True`` where
-        the norm is finite: the gradients are kept (scaled) where it is and
-        zeroed where it is not, with ``torch.where``, on the device.
+        ``None`` for ``"propagate"``, ``"error"`` and ``"abort"`` (gradients
+        are scaled as computed); for ``"zero"``, a 0-dim bool tensor that is
+        ``True`` where the norm is finite: the gradients are kept (scaled)
+        where it is and zeroed where it is not, with ``torch.where``, on the
+        device.
 
     Raises:
         ValueError: ``nonfinite`` is not one of the policies.
@@ -53,11 +55,25 @@ def finite_mask(total_norm: torch.Tensor, norm_type: float | None, nonfinite: st
             rank holds the same bits of the norm, so every rank raises. The
             check reads the norm on the host (a sync); under
             ``torch.compile`` it fails at trace time instead.
+        RuntimeError: ``nonfinite="abort"`` and the norm is not finite, on
+            CPU: ``torch._assert_async`` checks there and then, eagerly (before
+            any gradient is scaled) and in a compiled graph (the generated
+            kernel throws; whether the scaling kernels ran first is the
+            compiler's choice). On CUDA the check is a device-side assert
+            that nothing raises at this call: the next synchronizing call
+            fails with "device-side assert triggered", the CUDA context is
+            lost and the process must exit (see the README's "Failure
+            modes"). Every rank holds the same norm, so every rank stops.
     """
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
     if nonfinite == "zero":
         return torch.isfinite(total_norm)
+    if nonfinite == "abort":
+        # No host read, eager or compiled: the check runs where the norm is. It comes before the
+        # scaling in program order, so an eager clip on CPU raises with every gradient unscaled.
+        torch._assert_async(torch.isfinite(total_norm), ABORT_MESSAGE)
+        return None
     if nonfinite == "error":
         if torch.compiler.is_compiling():
             raise RuntimeError(

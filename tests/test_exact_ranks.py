@@ -1,4 +1,4 @@
-"""On 4 real gloo ranks (PP=2 × DP=2): one float64 norm everywhere.
+"""On 4 real gloo ranks (PP=2 × DP=2): one float64 norm everywhere, and a non-finite norm stops every rank.
 
 All cases run in one start of the ranks (``tests/_cases.real_rank_test``,
 hard timeouts: a rank left inside a collective is released by gloo's
@@ -8,6 +8,9 @@ timeout and its case fails).
   float64 norm, bit for bit, equal to the float64 norm of the whole model
   (finite where torch's is, for 2e200 gradients), and scale their fp32 leaf
   by the same coefficient, bit for bit.
+* ``nonfinite="abort"`` with a non-finite gradient on one rank: every rank
+  raises (on CPU ``torch._assert_async`` raises where it runs), eagerly and
+  in a compiled graph, and the ranks stay in step: a good clip follows.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from tests._reference import assert_close_rel, reference_coefficient, reference_
 
 WORLD = 4
 NORM_TYPES = (2.0, 1.0, 3.5, math.inf, -math.inf, 0.0)
+ABORTED = r"non-finite \(nonfinite='abort'\)"
 
 
 def _pp_dp():
@@ -93,8 +97,44 @@ def a_float64_leaf_on_one_stage_gives_every_rank_the_same_norm_and_coefficient(r
     assert not wrong_f64, f"float64 leaf not scaled by the float64 coefficient for norm types {wrong_f64}"
 
 
+def a_nonfinite_gradient_on_one_rank_aborts_every_rank(rank: int, world_size: int) -> None:
+    mesh, _ = _pp_dp()
+    # An inf element leaves the -inf norm (the smallest |x|) finite, as in torch: only NaN stops that one.
+    cases = [(math.inf, 2.0), (math.inf, math.inf), (math.nan, 2.0), (math.nan, math.inf), (math.nan, -math.inf)]
+    for bad, norm_type in cases:
+        w = torch.ones(3) * (rank + 1)
+        if rank == 3:  # never the first rank: a max/min all-reduce keeps a NaN only when it comes first
+            w[1] = bad
+        p = torch.nn.Parameter(torch.zeros(3))
+        p.grad = w.clone()
+        with pytest.raises(RuntimeError, match=ABORTED):
+            clip_grad_norm_([p], mesh, 1.0, norm_type, nonfinite="abort")
+        torch.testing.assert_close(p.grad, w, equal_nan=True, rtol=0.0, atol=0.0)  # nothing scaled
+    _good_clip_still_works(mesh)
+
+
+def a_compiled_abort_stops_every_rank_too(rank: int, world_size: int) -> None:
+    torch._functorch.config.enable_autograd_cache = False
+    mesh, _ = _pp_dp()
+    p = torch.nn.Parameter(torch.zeros(3))
+    torch._dynamo.reset()
+    step = torch.compile(
+        lambda: clip_grad_norm_([p], mesh, 1.0, nonfinite="abort"), backend="aot_eager", fullgraph=True
+    )
+    p.grad = torch.ones(3)
+    assert float(step()) == pytest.approx(math.sqrt(2 * 3))  # a plain leaf is replicated over dp: 2 stages of 3 ones
+    p.grad = torch.ones(3)
+    if rank == 3:
+        p.grad[0] = math.inf
+    with pytest.raises(RuntimeError, match=ABORTED):
+        step()
+    _good_clip_still_works(mesh)
+
+
 CASES = [
     a_float64_leaf_on_one_stage_gives_every_rank_the_same_norm_and_coefficient,
+    a_nonfinite_gradient_on_one_rank_aborts_every_rank,
+    a_compiled_abort_stops_every_rank_too,
 ]
 
 test_on_real_ranks = real_rank_test(CASES, WORLD, case_timeout=120.0)
