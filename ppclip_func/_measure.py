@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -82,9 +83,16 @@ def measure(
     )
     # Float64, as the reduced statistics: every rank holds these bits, whatever leaves it holds (a
     # stage's own dtypes would differ between stages), and a float64 model keeps a float64 norm.
-    groups = {label: per_entry[i] for i, label in enumerate(labels)} if labels else {}
-    per_param = per_entry[n:] if opts.params is not None else None
-    return Measured(leaves, total, groups, per_param)
+    groups = {label: _plain(per_entry[i]) for i, label in enumerate(labels)} if labels else {}
+    per_param = _plain(per_entry[n:]) if opts.params is not None else None
+    return Measured(leaves, _plain(total), groups, per_param)
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a plain tensor: in eager mode a norm that is a view of the reduced vector (the total
+    of ``p=1``, ``0``) is still the collective's ``AsyncCollectiveTensor``; waiting for it costs
+    nothing here, as the decode has read the vector already. (Traced, there is no such wrapper.)"""
+    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
 def _n_entries(opts: NormOptions) -> int:

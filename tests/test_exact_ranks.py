@@ -73,6 +73,9 @@ def a_float64_leaf_on_one_stage_gives_every_rank_the_same_norm_and_coefficient(r
         assert math.isfinite(expected)
 
         total = global_grad_norm(tree, mesh, norm_type)
+        _, groups = global_grad_norm(tree, mesh, norm_type, groups={"c": "c"})
+        # A plain float64 tensor, not the collective's AsyncCollectiveTensor (p=1 and 0 are a view of it).
+        assert type(total) is torch.Tensor and type(groups["c"]) is torch.Tensor, (type(total), type(groups["c"]))
         assert total.dtype == torch.float64, total.dtype
         assert len(set(gather_objects(norm_bits(total)))) == 1, "the norm differs between ranks"
         # The fp32 leaves bound the precision (1e-6); a 2e200 float64 leaf dominates: float64 precision.
