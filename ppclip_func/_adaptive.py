@@ -134,7 +134,8 @@ def init_clip_state(device: torch.device | str | None = None, dtype: torch.dtype
         device: Where the grads live (the state must be on the same device).
         dtype: Of ``mean`` and ``var``: float64 (the default) follows ZClip
             within 1e-6 over hundreds of steps; float32 drifts from it by a
-            few 1e-6 (a device without float64 needs it).
+            few 1e-6 (a device without float64 needs it). The norm itself is
+            float64.
 
     Example:
         >>> from ppclip_func import init_clip_state

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable, Collection, Iterable, Iterator
@@ -121,9 +122,10 @@ def global_grad_norm(
             Slower in eager mode on CPU.
 
     Returns:
-        A 0-dim float32 tensor (float64 when ``torch.get_default_dtype()`` is
-        float64) on the grads' device, bitwise equal on every rank of
-        ``mesh``. NaN if any rank holds a NaN gradient, or failed (see
+        A 0-dim float64 tensor on the grads' device: the all-reduced value
+        itself, bitwise equal on every rank of ``mesh`` whatever leaves each
+        rank holds (fp32, bf16 and fp16 grads give a norm accurate to fp32
+        precision; float64 grads one accurate to float64 precision). NaN if any rank holds a NaN gradient, or failed (see
         Raises). With ``groups``, a pair ``(total_norm, {label: group_norm})``.
 
     Raises:
@@ -145,9 +147,10 @@ def global_grad_norm(
         >>> from ppclip_func import global_grad_norm
         >>> grads = {"w": torch.full((3,), 2.0), "b": None, "h": [torch.ones(4, 4)]}
         >>> global_grad_norm(grads, None)
-        tensor(5.2915)
-        >>> global_grad_norm(grads, None, groups={"w": "w", "h": "h"})
-        (tensor(5.2915), {'w': tensor(3.4641), 'h': tensor(4.)})
+        tensor(5.2915, dtype=torch.float64)
+        >>> total, per_group = global_grad_norm(grads, None, groups={"w": "w", "h": "h"})
+        >>> per_group
+        {'w': tensor(3.4641, dtype=torch.float64), 'h': tensor(4., dtype=torch.float64)}
     """
     kind = norm_kind(norm_type)
     opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, pp_mesh=pp_mesh)
@@ -177,7 +180,12 @@ def clip_grads_with_norm(
         eps: Added to ``total_norm`` before dividing.
         nonfinite: What to do when ``total_norm`` is inf or NaN:
             ``"propagate"`` (scale anyway, as torch does), ``"zero"`` (return
-            all-zero grads, on the device, no sync) or ``"error"`` (raise).
+            all-zero grads, on the device, no sync), ``"error"`` (raise; a
+            host read, not under ``torch.compile``) or ``"abort"`` (stop the
+            process with ``torch._assert_async``: no host read, eager or
+            compiled; on CPU a ``RuntimeError`` before any grad is scaled,
+            on CUDA a device-side assert that loses the CUDA context; see
+            the README's "Failure modes").
 
     Returns:
         The scaled gradients, with the structure of ``grads``.
@@ -187,7 +195,9 @@ def clip_grads_with_norm(
             ``total_norm`` is not a 0-dim tensor.
         ValueError: ``max_norm`` or ``eps`` is negative or NaN, or
             ``nonfinite`` is not a policy.
-        RuntimeError: ``nonfinite="error"`` and ``total_norm`` is not finite.
+        RuntimeError: ``nonfinite="error"`` and ``total_norm`` is not finite;
+            or ``nonfinite="abort"`` and it is not finite, on CPU (on CUDA
+            the next synchronizing call fails instead).
 
     Example:
         >>> import torch
@@ -276,8 +286,8 @@ def clip_grad_norm(
         groups: Per-group norms (see :func:`global_grad_norm`).
         tied: Leaves held by several pipeline stages (see :func:`global_grad_norm`).
         partial: ``"error"`` or ``"reduce"`` (see :func:`global_grad_norm`).
-        nonfinite: ``"propagate"``, ``"zero"`` or ``"error"`` (see
-            :func:`clip_grads_with_norm`).
+        nonfinite: ``"propagate"``, ``"zero"``, ``"error"`` or ``"abort"``
+            (see :func:`clip_grads_with_norm`).
         overflow_safe: Float64 accumulation (see :func:`global_grad_norm`).
 
     Returns:
@@ -294,7 +304,7 @@ def clip_grad_norm(
         >>> from ppclip_func import clip_grad_norm
         >>> clipped, norm = clip_grad_norm({"w": torch.full((4,), 3.0), "b": None}, None, max_norm=1.0)
         >>> norm
-        tensor(6.)
+        tensor(6., dtype=torch.float64)
         >>> clipped["w"], clipped["b"]
         (tensor([0.5000, 0.5000, 0.5000, 0.5000]), None)
     """
@@ -381,8 +391,8 @@ def clip_grad_norm_(
         groups: Per-group norms (see :func:`global_grad_norm`).
         tied: Leaves held by several pipeline stages (see :func:`global_grad_norm`).
         partial: ``"error"`` or ``"reduce"`` (see :func:`global_grad_norm`).
-        nonfinite: ``"propagate"``, ``"zero"`` or ``"error"`` (see
-            :func:`clip_grads_with_norm`).
+        nonfinite: ``"propagate"``, ``"zero"``, ``"error"`` or ``"abort"``
+            (see :func:`clip_grads_with_norm`).
         overflow_safe: Float64 accumulation (see :func:`global_grad_norm`).
 
     Returns:
@@ -399,7 +409,7 @@ def clip_grad_norm_(
         >>> model = torch.nn.Linear(2, 1, bias=False)
         >>> model.weight.grad = torch.tensor([[3.0, 4.0]])
         >>> clip_grad_norm_(model.parameters(), None, max_norm=1.0)
-        tensor(5.)
+        tensor(5., dtype=torch.float64)
         >>> model.weight.grad
         tensor([[0.6000, 0.8000]])
     """
@@ -595,8 +605,8 @@ def adaptive_clip_grad_norm(
         >>> import torch
         >>> from ppclip_func import adaptive_clip_grad_norm, init_clip_state
         >>> clipped, stats = adaptive_clip_grad_norm({"w": torch.full((4,), 3.0)}, None, init_clip_state())
-        >>> clipped["w"], stats.total_norm, stats.threshold
-        (tensor([0.5000, 0.5000, 0.5000, 0.5000]), tensor(6.), tensor(1.))
+        >>> clipped["w"], float(stats.total_norm), float(stats.threshold)
+        (tensor([0.5000, 0.5000, 0.5000, 0.5000]), 6.0, 1.0)
     """
     rule = Rule(max_norm, z, alpha, warmup, skip_z, mode, clip_option, clip_factor, zscore_eps, freeze_on_spike)
     _check_clip_args(math.inf if max_norm is None else max_norm, eps, nonfinite)  # None: no cap
@@ -671,7 +681,7 @@ def _apply(
     inplace: bool,
 ) -> list[torch.Tensor]:
     keep = finite_mask(total, norm_type, nonfinite)
-    return scale(locals_, clip_coefficient(max_norm, total, eps), inplace=inplace, keep=keep)
+    return scale(locals_, functools.partial(clip_coefficient, max_norm, total, eps), inplace=inplace, keep=keep)
 
 
 def _rewrap(leaves: Leaves, new_locals: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -14,6 +14,7 @@ coefficient, with no per-leaf list and no host read.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any, TypeVar
@@ -76,7 +77,6 @@ def _scale_groups(
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     total = included_total(measured, kind, labels, excluded)
     keep = finite_mask(total, kind.p, nonfinite)
-    overall = None if max_norm is None else clip_coefficient(max_norm, total, eps)
     leaves = measured.leaves
     members = group_members(leaves.names(), groups)  # static: names only
     out = list(leaves.shards)
@@ -84,15 +84,28 @@ def _scale_groups(
         label = labels[g] if g < len(labels) else None
         if label in excluded:
             continue  # measured and returned, never scaled
-        coef = overall
-        if label in group_max_norm:
-            own = clip_coefficient(group_max_norm[label], measured.per_group[label], eps)
-            coef = own if coef is None else torch.minimum(coef, own)
-        if coef is None:
+        own = (group_max_norm[label], measured.per_group[label]) if label in group_max_norm else None
+        if max_norm is None and own is None:
             continue
-        for i, t in zip(idx, scale([leaves.shards[i] for i in idx], coef, inplace=inplace, keep=keep)):
+        coefficient = functools.partial(_group_coefficient, max_norm, total, own, eps)
+        for i, t in zip(idx, scale([leaves.shards[i] for i in idx], coefficient, inplace=inplace, keep=keep)):
             out[i] = t
     return total, out
+
+
+def _group_coefficient(
+    max_norm: Threshold | None,
+    total: torch.Tensor,
+    own: tuple[Threshold, torch.Tensor] | None,
+    eps: float,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The smaller of the overall and the group's own clip coefficient, computed in ``dtype``."""
+    overall = None if max_norm is None else clip_coefficient(max_norm, total, eps, dtype)
+    if own is None:
+        return overall  # type: ignore[return-value]
+    group = clip_coefficient(own[0], own[1], eps, dtype)
+    return group if overall is None else torch.minimum(overall, group)
 
 
 @torch.no_grad()
@@ -159,7 +172,7 @@ def clip_grad_norm_by_group_(
         >>> total, norms = clip_grad_norm_by_group_(params, None, groups, max_norm=2.5,
         ...                                         group_max_norm={"embed": 1.0}, exclude={"muon"})
         >>> total, norms["muon"]  # the total leaves muon out
-        (tensor(5.), tensor(100.))
+        (tensor(5., dtype=torch.float64), tensor(100., dtype=torch.float64))
         >>> [round(float(p.grad[0]), 4) for p in params.values()]  # embed by its own 1.0, mlp by 2.5 / 5
         [1.0, 2.0, 100.0]
     """
@@ -211,7 +224,7 @@ def clip_grad_norm_by_group(
         >>> clipped, total, norms = clip_grad_norm_by_group(
         ...     grads, None, {"experts": "experts"}, max_norm=100.0, group_max_norm={"experts": 2.0})
         >>> clipped["attn"], clipped["experts"], total
-        (tensor([3., 4.]), tensor([0.0000, 2.0000]), tensor(11.1803))
+        (tensor([3., 4.]), tensor([0.0000, 2.0000]), tensor(11.1803, dtype=torch.float64))
     """
     labels, thresholds, excluded = check_group_args(groups, max_norm, group_max_norm, exclude, eps, nonfinite)
     kind = norm_kind(norm_type)

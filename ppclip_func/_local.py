@@ -14,17 +14,23 @@ loses about 1e-3 relative on a 25M-element fp32 leaf, 5e-3 on a strided
 1.5e-6 on 8192 fp32 elements holding bf16 values (short mantissas make its
 rounding biased). So 2-norms are taken over rows of ``ROW`` elements (fp32
 leaves up to ``WHOLE`` whole), other orders as a cascade ``sum`` of
-``|x|^p``, and the partial results are combined in float64.
+``|x|^p``, and the partial results are combined in float64. The accuracy
+follows from that structure: no path reduces a leaf with a BLAS call, whose
+summation order (and error: an MKL dot of 65536 bf16-valued elements is off
+by 2.7e-6 with 2 threads, 4.0e-6 with 1) is the vendor's, the CPU's and the
+thread count's. Threads split rows, never lengthen one, so the bound is the
+same with any thread count.
 
 Eager on CPU, per bucket (a parallel region per op costs little on an idle
 machine and waits for a core on a busy one, so only large leaves use more
 than one thread):
 
-* fp32 (and fp64) 2-norms, read in place: leaves up to ``WHOLE`` elements in
-  one ``_foreach_norm`` call, as torch's own clip; up to ``MEDIUM`` a
-  ``torch.dot(x, x)`` each (MKL keeps many partial sums: accurate for
-  bf16-valued data too, one thread, as fast per leaf as the foreach call);
-  larger ones one row-wise ``vector_norm`` each;
+* fp32 (and fp64) 2-norms: leaves up to ``WHOLE`` elements read in place
+  by one ``_foreach_norm`` call, as torch's own clip; up to ``PACKED``
+  packed side by side into the scratch buffer (one ``cat`` per block) and
+  reduced in rows of ``ROW``: a norm op per leaf costs more than the copy
+  there; larger ones one row-wise ``vector_norm`` each, in place, their last
+  partial row packed with the medium leaves;
 * ``±inf``: whole leaves in one ``_foreach_norm`` in their own dtype (exact in
   any order), ``aminmax`` for leaves over ``BLOCK``; ``0``: counts, exact in
   fp32 below 2^24 per leaf, ``count_nonzero`` above;
@@ -44,6 +50,7 @@ instead: shape-static, no scratch buffer, no loop over blocks.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections import defaultdict
@@ -65,8 +72,12 @@ BLOCK = 1 << 19
 # fp32 dense leaves up to this size have their 2-norm taken whole, by torch's 16-lane kernel: within
 # 4.3e-7 of float64 even for bf16-valued data (8192: 1.5e-6, 32768: 4.6e-6).
 WHOLE = 1 << 12
-# Larger dense fp32 leaves up to this size: eager, torch.dot(x, x) (within 4e-7 for bf16-valued
-# data); traced, pieces of WHOLE in the foreach call. Larger ones get one row-wise norm each.
+# Larger dense fp32 leaves up to this size, eager on CPU: packed into the scratch buffer by one cat
+# per block and reduced in rows: a norm op per leaf costs more than the copy there. Larger ones get
+# one row-wise norm each, in place (rows that tile the leaf, see _row_width), cheaper than the copy
+# from about 2^15 elements with 2 threads (bench/README.md, "The medium-leaf path").
+PACKED = 1 << 15
+# Traced: dense fp32 leaves up to this size join the foreach call in pieces of WHOLE.
 MEDIUM = 1 << 16
 # Leaves up to this size (contiguous ones; any up to ROW) are packed into the scratch by one cat.
 PACK = 1 << 15
@@ -225,6 +236,8 @@ def _flat64(pieces: list[torch.Tensor]) -> torch.Tensor:
     """The 0-dim and 1-D ``pieces`` as one float64 vector, with as few calls as possible."""
     if len(pieces) == 1 and pieces[0].dim() == 1:
         return pieces[0].to(STAT_DTYPE)
+    if len({(p.dtype, p.dim()) for p in pieces}) == 1 and pieces[0].dim() == 1:  # row norms of many leaves
+        return torch.cat(pieces).to(STAT_DTYPE)
     by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = defaultdict(lambda: ([], []))
     for p in pieces:
         by_dtype[p.dtype][p.dim() != 0].append(p)
@@ -239,6 +252,20 @@ def _flat64(pieces: list[torch.Tensor]) -> torch.Tensor:
 def _acc_dtype(dtype: torch.dtype, overflow_safe: bool) -> torch.dtype:
     # Not torch.promote_types: that is a dispatched op, a microsecond per leaf. Grads are real floating point.
     return torch.float64 if overflow_safe or dtype == torch.float64 else torch.float32
+
+
+@functools.cache
+def _row_width(n: int) -> int:
+    """The longest row, of ``ROW // 8`` to ``ROW`` elements, that divides ``n`` (0 if none does).
+
+    Rows that tile a leaf exactly make its row-wise norm one op, with no
+    last partial row to reduce apart; any width in that range keeps every
+    accumulation as short as ``ROW`` or shorter.
+    """
+    for width in range(ROW, ROW // 8 - 1, -1):
+        if n % width == 0:
+            return width
+    return 0
 
 
 def _dense_view(t: torch.Tensor) -> torch.Tensor:
@@ -301,11 +328,14 @@ class _EagerCpu:
     def _sums_of_squares(self, tensors: list[torch.Tensor], whole: dict[torch.dtype, list[torch.Tensor]]) -> None:
         """2-norms. Leaves in their accumulation dtype (fp32, fp64) are read in place, by size:
 
-        up to ``WHOLE`` elements whole in the foreach call; up to ``MEDIUM`` as
-        ``torch.dot(x, x)`` (MKL keeps many partial sums: as fast per leaf as
-        torch's foreach, accurate for bf16-valued data too, and one thread up
-        to about 2^18 elements); larger ones row-wise, all threads. The rest
-        (bf16/fp16, strided leaves) goes through the scratch buffer.
+        up to ``WHOLE`` elements whole in the foreach call; up to ``PACKED``
+        packed side by side into the scratch buffer by one ``cat`` per block
+        and reduced in rows of ``ROW`` (a norm op per leaf would cost more
+        than the copy); larger ones row-wise in place, one op each, their
+        last partial row packed with the others. No accumulation covers more
+        than ``ROW`` elements, whatever the CPU, its BLAS or the thread
+        count. The rest (bf16/fp16, strided leaves) goes through the scratch
+        buffer.
         """
         own = (torch.float64,) if self.overflow_safe else (torch.float32, torch.float64)
         layouts = {(t.dtype, t.is_contiguous()) for t in tensors}  # one pass over the leaves
@@ -314,14 +344,15 @@ class _EagerCpu:
             # One dtype, all contiguous (the common case): sorted by size with no per-leaf branching.
             sizes = list(map(torch.Tensor.numel, tensors))
             if max(sizes) <= WHOLE:
-                whole[tensors[0].dtype].extend(tensors)
+                whole[dtype].extend(tensors)
                 return
-            whole[tensors[0].dtype].extend(t for t, n in zip(tensors, sizes) if n <= WHOLE)
-            mid = [t if t.dim() == 1 else t.view(-1) for t, n in zip(tensors, sizes) if WHOLE < n <= MEDIUM]
-            self.stats.extend(map(torch.dot, mid, mid))
+            whole[dtype].extend(t for t, n in zip(tensors, sizes) if n <= WHOLE)
+            packed = [t if t.dim() == 1 else t.view(-1) for t, n in zip(tensors, sizes) if WHOLE < n <= PACKED]
             for t, n in zip(tensors, sizes):
-                if n > MEDIUM:
-                    self._rows(t.view(-1), whole)
+                if n > PACKED:
+                    packed.extend(self._rows(t, n))
+            if packed:
+                self._stream(dtype).pack(packed)
             return
         for t in tensors:
             dtype, n = t.dtype, t.numel()
@@ -330,19 +361,25 @@ class _EagerCpu:
                 self._stream(_acc_dtype(dtype, self.overflow_safe)).add(t)
             elif n <= WHOLE:
                 whole[dtype].append(t)
-            elif n <= MEDIUM:
-                flat = dense.view(-1)
-                self.stats.append(torch.dot(flat, flat))
+            elif n <= PACKED:
+                self._stream(dtype).add(dense)
             else:
-                self._rows(dense.view(-1), whole)
+                self._stream(dtype).pending.extend(self._rows(dense, n))
 
-    def _rows(self, flat: torch.Tensor, whole: dict[torch.dtype, list[torch.Tensor]]) -> None:
-        """One row-wise norm over a flat leaf, read in place; its last partial row joins the foreach call."""
-        n = flat.numel()
-        rows = n // ROW
-        self.norms.append(torch.linalg.vector_norm(flat[: rows * ROW].view(rows, ROW), dim=1))
-        if n > rows * ROW:
-            whole[flat.dtype].append(flat[rows * ROW :])
+    def _rows(self, t: torch.Tensor, n: int) -> list[torch.Tensor]:
+        """One row-wise norm over a contiguous leaf of ``n`` elements, read in place.
+
+        Rows tile the leaf when some width of ``ROW // 8`` to ``ROW`` divides
+        ``n`` (one view, one op); else they are ``ROW`` long and the last
+        partial row is returned, to be packed with the medium leaves.
+        """
+        width = _row_width(n)
+        if width:
+            self.norms.append(torch.linalg.vector_norm(t.view(n // width, width), 2, 1))
+            return []
+        flat, rows = t.view(-1), n // ROW
+        self.norms.append(torch.linalg.vector_norm(flat[: rows * ROW].view(rows, ROW), 2, 1))
+        return [flat[rows * ROW :]]
 
     def _stream(self, acc: torch.dtype) -> _Stream:
         if acc not in self.streams:
@@ -402,6 +439,22 @@ class _Stream:
             self.owner.reduce_block(self.buf)
         if full < n:
             self.pending.append(flat[full:])
+
+    def pack(self, flats: list[torch.Tensor]) -> None:
+        """Reduces contiguous 1-D tensors of at most ``BLOCK`` elements each, packed side by side.
+
+        One ``cat`` per block into the buffer, then one row-wise norm: no op,
+        and little Python, per tensor.
+        """
+        buf, start, fill = self.buf, 0, 0
+        for i, n in enumerate(map(torch.Tensor.numel, flats)):
+            if fill + n > BLOCK:
+                torch.cat(flats[start:i], out=buf[:fill])
+                self.owner.reduce_block(buf[:fill])
+                start, fill = i, 0
+            fill += n
+        torch.cat(flats[start:], out=buf[:fill])
+        self.owner.reduce_block(buf[:fill])
 
     def flush(self) -> None:
         buf, fill, run, run_at = self.buf, 0, [], 0

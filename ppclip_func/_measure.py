@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -65,18 +66,6 @@ class Measured:
         return (self.total, self.per_group) if with_groups else self.total
 
 
-def _norm_dtype() -> torch.dtype:
-    """float32, or float64 when torch's default dtype is.
-
-    Something every rank shares, so that every rank rounds the same reduced
-    bits the same way (a stage's own leaf dtypes would not be). The clip
-    coefficient is computed from this rounded norm, so a two-step clip
-    (``global_grad_norm``, then ``clip_grads_with_norm``) equals the one-step
-    clip bit for bit.
-    """
-    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-
-
 def measure(
     read_grads: Callable[[], Any], given: Any, what: str, mesh: DeviceMesh | None, kind: NormKind, opts: NormOptions
 ) -> Measured:
@@ -98,10 +87,18 @@ def measure(
     n = len(labels) + 1
     reduced = all_reduce_statistics(stats, kind, world)
     per_entry, total = kind.decode(reduced, per_group=bool(labels) or opts.params is not None, n_total=n)
-    dtype = _norm_dtype()
-    groups = {label: per_entry[i].to(dtype) for i, label in enumerate(labels)} if labels else {}
-    per_param = per_entry[n:].to(dtype) if opts.params is not None else None
-    return Measured(leaves, total.to(dtype), groups, per_param, reduced)
+    # Float64, as the reduced statistics: every rank holds these bits, whatever leaves it holds (a
+    # stage's own dtypes would differ between stages), and a float64 model keeps a float64 norm.
+    groups = {label: _plain(per_entry[i]) for i, label in enumerate(labels)} if labels else {}
+    per_param = _plain(per_entry[n:]) if opts.params is not None else None
+    return Measured(leaves, _plain(total), groups, per_param, reduced)
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a plain tensor: in eager mode a norm that is a view of the reduced vector (the total
+    of ``p=1``, ``0``) is still the collective's ``AsyncCollectiveTensor``; waiting for it costs
+    nothing here, as the decode has read the vector already. (Traced, there is no such wrapper.)"""
+    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
 def _n_entries(opts: NormOptions) -> int:

@@ -30,8 +30,9 @@ instead (see the README).
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -91,19 +92,25 @@ def takes_scale(optimizer: Optimizer) -> bool:
 # Host-side bookkeeping on Python objects (attributes, hooks, a bound method): under torch.compile
 # it runs eagerly, at a graph break, as the optimizer step it prepares does.
 @torch.compiler.disable
-def hand_over(optimizers: Iterable[Optimizer], coef: torch.Tensor, skip: torch.Tensor | None) -> None:
-    """Arranges for each optimizer's next ``step()`` to clip by ``coef`` and to skip where ``skip``.
+def hand_over(
+    optimizers: Iterable[Optimizer], coefficient: Callable[[torch.dtype], torch.Tensor], skip: torch.Tensor | None
+) -> None:
+    """Arranges for each optimizer's next ``step()`` to clip by ``coefficient`` and to skip where ``skip``.
 
     Args:
         optimizers: Torch optimizers (:func:`optimizers_of`).
-        coef: The 0-dim clip coefficient (at most 1).
+        coefficient: The 0-dim clip coefficient (at most 1) computed in a
+            given dtype (:func:`~ppclip_func._scale.clip_coefficient` with
+            its first arguments bound), as :func:`~ppclip_func._scale.scale`
+            takes it.
         skip: A 0-dim bool tensor, or ``None`` for never.
     """
     for opt in optimizers:
         if takes_scale(opt):
-            _hand_to_fused(opt, coef, skip)
+            # torch's fused kernels compute in float32 for fp32, bf16 and fp16 parameters.
+            _hand_to_fused(opt, coefficient(torch.float32), skip)
         else:
-            scale(_local_grads(opt), coef, inplace=True)
+            scale(_local_grads(opt), coefficient, inplace=True)
             if skip is not None:
                 _skip_next_step(opt, skip)
 
@@ -219,7 +226,7 @@ def clip_grad_norm_in_optimizer(
         >>> opt = torch.optim.SGD([w], lr=1.0, fused=True)
         >>> w.grad = torch.tensor([3.0, 4.0])
         >>> clip_grad_norm_in_optimizer(opt, [w], None, max_norm=1.0)
-        tensor(5.)
+        tensor(5., dtype=torch.float64)
         >>> opt.step()  # the clip happens here
         >>> w.detach()
         tensor([-0.6000, -0.8000])
@@ -235,7 +242,7 @@ def clip_grad_norm_in_optimizer(
     if nonfinite == "error":
         finite_mask(measured.total, kind.p, "error")
     skip = ~torch.isfinite(measured.total) if nonfinite == "skip" else None
-    hand_over(optimizers, clip_coefficient(max_norm, measured.total, eps), skip)
+    hand_over(optimizers, functools.partial(clip_coefficient, max_norm, measured.total, eps), skip)
     return measured.norms(groups is not None)
 
 
@@ -316,5 +323,5 @@ def adaptive_clip_grad_norm_in_optimizer(
     opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, param_norms, pp_mesh)
     measured = measure(read_grads, parameters, "parameter grad", mesh, kind, opts)
     stats = _adapt(measured, state, rule, groups is not None)
-    hand_over(optimizers, clip_coefficient(stats.threshold, measured.total, eps), stats.skip)
+    hand_over(optimizers, functools.partial(clip_coefficient, stats.threshold, measured.total, eps), stats.skip)
     return stats

@@ -3,24 +3,39 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 
 __all__: list[str] = []
 
-NONFINITE_POLICIES = ("propagate", "zero", "error")
+NONFINITE_POLICIES = ("propagate", "zero", "error", "abort")
+ABORT_MESSAGE = "the global gradient norm is non-finite (nonfinite='abort')"
 
 
-def clip_coefficient(max_norm: float | torch.Tensor, total_norm: torch.Tensor, eps: float) -> torch.Tensor:
-    """Returns ``min(max_norm / (total_norm + eps), 1)`` as a 0-dim tensor.
+def clip_coefficient(
+    max_norm: float | torch.Tensor, total_norm: torch.Tensor, eps: float, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Returns ``min(max_norm / (total_norm + eps), 1)`` as a 0-dim tensor, computed in ``dtype``.
 
     Clamping instead of ``if total_norm > max_norm`` keeps the decision on
     the device: a Python ``if`` on a tensor would need a device-to-host sync
     every step, and a graph break under ``torch.compile``.
 
-    The coefficient has ``total_norm``'s dtype; :func:`scale` rounds it once
-    to each gradient's compute dtype.
+    Args:
+        max_norm: A number or a 0-dim tensor.
+        total_norm: The 0-dim norm (float64 from :func:`global_grad_norm`).
+        eps: Added to the norm before dividing.
+        dtype: The arithmetic's dtype (default ``total_norm``'s). :func:`scale`
+            asks for each gradient's compute dtype: float32 for fp32, bf16 and
+            fp16 leaves, float64 for float64 ones. Each is a function of the
+            norm alone, so every rank, whatever leaves it holds, scales a leaf
+            of a given dtype by the same coefficient.
     """
+    if dtype is not None and total_norm.dtype != dtype:
+        total_norm = total_norm.to(dtype)
+    if isinstance(max_norm, torch.Tensor) and max_norm.dtype != total_norm.dtype:
+        max_norm = max_norm.to(total_norm.dtype)
     return torch.clamp(max_norm / (total_norm + eps), max=1.0)
 
 
@@ -28,10 +43,11 @@ def finite_mask(total_norm: torch.Tensor, norm_type: float | None, nonfinite: st
     """Applies the ``nonfinite`` policy to the total norm before any gradient is scaled.
 
     Returns:
-        ``None`` for ``"propagate"`` and ``"error"`` (gradients are scaled as
-        computed); for ``"zero"``, a 0-dim bool tensor that is ``True`` where
-        the norm is finite: the gradients are kept (scaled) where it is and
-        zeroed where it is not, with ``torch.where``, on the device.
+        ``None`` for ``"propagate"``, ``"error"`` and ``"abort"`` (gradients
+        are scaled as computed); for ``"zero"``, a 0-dim bool tensor that is
+        ``True`` where the norm is finite: the gradients are kept (scaled)
+        where it is and zeroed where it is not, with ``torch.where``, on the
+        device.
 
     Raises:
         ValueError: ``nonfinite`` is not one of the policies.
@@ -39,11 +55,25 @@ def finite_mask(total_norm: torch.Tensor, norm_type: float | None, nonfinite: st
             rank holds the same bits of the norm, so every rank raises. The
             check reads the norm on the host (a sync); under
             ``torch.compile`` it fails at trace time instead.
+        RuntimeError: ``nonfinite="abort"`` and the norm is not finite, on
+            CPU: ``torch._assert_async`` checks there and then, eagerly (before
+            any gradient is scaled) and in a compiled graph (the generated
+            kernel throws; whether the scaling kernels ran first is the
+            compiler's choice). On CUDA the check is a device-side assert
+            that nothing raises at this call: the next synchronizing call
+            fails with "device-side assert triggered", the CUDA context is
+            lost and the process must exit (see the README's "Failure
+            modes"). Every rank holds the same norm, so every rank stops.
     """
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
     if nonfinite == "zero":
         return torch.isfinite(total_norm)
+    if nonfinite == "abort":
+        # No host read, eager or compiled: the check runs where the norm is. It comes before the
+        # scaling in program order, so an eager clip on CPU raises with every gradient unscaled.
+        torch._assert_async(torch.isfinite(total_norm), ABORT_MESSAGE)
+        return None
     if nonfinite == "error":
         if torch.compiler.is_compiling():
             raise RuntimeError(
@@ -60,13 +90,19 @@ def finite_mask(total_norm: torch.Tensor, norm_type: float | None, nonfinite: st
 
 
 def scale(
-    tensors: list[torch.Tensor], coef: torch.Tensor, *, inplace: bool, keep: torch.Tensor | None = None
+    tensors: list[torch.Tensor],
+    coefficient: Callable[[torch.dtype], torch.Tensor],
+    *,
+    inplace: bool,
+    keep: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
-    """Multiplies every tensor by ``coef``, one foreach call per (device, dtype).
+    """Multiplies every tensor by its clip coefficient, one foreach call per (device, dtype).
 
     Args:
         tensors: The local shards to scale.
-        coef: The 0-dim clip coefficient.
+        coefficient: The 0-dim clip coefficient computed in a given dtype
+            (:func:`clip_coefficient` with its first three arguments bound);
+            called once per compute dtype.
         inplace: Scale the tensors themselves instead of returning new ones.
         keep: Optional 0-dim bool tensor; where ``False`` every result is
             zero (``nonfinite="zero"``). ``coef * inf`` would be ``nan``, so
@@ -80,8 +116,12 @@ def scale(
         higher precision of the pair and rounded once.
     """
     out: list[torch.Tensor] = list(tensors)
+    coefs: dict[torch.dtype, torch.Tensor] = {}
     for (device, dtype), (group, idx) in _by_device_and_dtype(tensors).items():
-        c = coef.to(device, torch.float64 if dtype == torch.float64 else torch.float32)
+        compute = torch.float64 if dtype == torch.float64 else torch.float32
+        if compute not in coefs:
+            coefs[compute] = coefficient(compute)
+        c = coefs[compute].to(device)
         drop = None if keep is None else ~keep.to(device)
         if inplace:
             torch._foreach_mul_(group, c)

@@ -77,7 +77,7 @@ def clip_grad_norm_(
         >>> model = torch.nn.Linear(2, 1, bias=False)
         >>> model.weight.grad = torch.tensor([[3.0, 4.0]])
         >>> ppclip.clip_grad_norm_(list(model.parameters()), 1.0, foreach=True, pp_mesh=None)
-        tensor(5.)
+        tensor(5., dtype=torch.float64)
         >>> model.weight.grad
         tensor([[0.6000, 0.8000]])
     """

@@ -11,6 +11,9 @@ contiguous, and empty ones.
 
 Values are uniform in [0, 1): all terms of a sum are positive, the case where
 rounding in a long accumulation adds up instead of cancelling.
+
+Every test runs with 1 and with 2 torch threads: the promise must not depend
+on the thread count (nor on the CPU or its BLAS: no path here uses one).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -29,6 +33,17 @@ from tests._reference import assert_close_rel, reference_norm
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 NORM_TYPES = [2.0, 1.0, 3.5, math.inf, -math.inf, 0.0]
 REL = 1e-6
+
+
+@pytest.fixture(autouse=True, params=[1, 2], ids=lambda n: f"{n}thread")
+def num_threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    """Runs the test with ``request.param`` torch threads, then restores the count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    try:
+        yield request.param
+    finally:
+        torch.set_num_threads(before)
 
 
 def _rand(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -151,6 +166,44 @@ def test_many_leaves_cost_at_most_one_op_each():
     assert ops([torch.rand(1000) for _ in range(2000)]) == ops([torch.rand(1000) for _ in range(200)])
     assert ops([torch.rand(8192) for _ in range(2000)]) <= 2000 + 20
     assert ops([torch.rand(64, 128).bfloat16() for _ in range(2000)]) < 100
+
+
+BLAS_OPS = {
+    "aten::dot",
+    "aten::vdot",
+    "aten::mv",
+    "aten::addmv",
+    "aten::mm",
+    "aten::addmm",
+    "aten::bmm",
+    "aten::matmul",
+}
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_no_leaf_is_reduced_by_a_blas_call(dtype, norm_type):
+    """A BLAS reduction sums in an order its vendor, the CPU and the thread count choose (an MKL dot of
+    65536 bf16-valued elements: 2.7e-6 with 2 threads here, 4.0e-6 with 1). Every path must bound its
+    own accumulations instead, so no leaf size or layout may reach one."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.name())
+            return func(*args, **(kwargs or {}))
+
+    leaves = [_rand(n, dtype=dtype, seed=n) for n in (100, 4097, 8192, 40_000, 65_536, 70_001, 1_100_000)]
+    leaves += [_rand(300, 400, dtype=dtype, seed=1).t(), _rand(500, 301, dtype=dtype, seed=2)[:, :300]]
+    for tree in (leaves, leaves[2:5], [leaves[3]]):  # mixed sizes; medium leaves alone; one medium leaf
+        with Ops() as ops:
+            got = global_grad_norm(tree, None, norm_type)
+        assert not ops.names & BLAS_OPS, sorted(ops.names & BLAS_OPS)
+        _expect_close(got, tree, norm_type)
 
 
 def test_the_scratch_buffer_is_bounded_and_per_thread():

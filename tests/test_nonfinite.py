@@ -107,3 +107,82 @@ def test_zero_policy_compiles_without_a_graph_break():
     assert math.isinf(float(total)) and torch.equal(clipped["w"], torch.zeros(5, 4))
     clipped, total = step(_grads(None))
     assert math.isfinite(float(total)) and float(clipped["w"].abs().max()) > 0
+
+
+# --- nonfinite="abort": a stop that needs no host read, eager or compiled ------------------------
+
+ABORTED = r"non-finite \(nonfinite='abort'\)"
+
+
+def _seeded_grads(bad: float | None) -> dict:
+    torch.manual_seed(0)
+    return _grads(bad)
+
+
+def _params(bad: float | None) -> list[torch.nn.Parameter]:
+    grads = _seeded_grads(bad)
+    params = [torch.nn.Parameter(torch.zeros_like(grads[k])) for k in ("w", "b")]
+    for p, k in zip(params, ("w", "b")):
+        p.grad = grads[k]
+    return params
+
+
+@pytest.mark.parametrize("bad", BAD_VALUES)
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+def test_abort_raises_on_cpu_with_every_gradient_unscaled(bad, norm_type):
+    params = _params(bad)
+    before = [p.grad.clone() for p in params]
+    with pytest.raises(RuntimeError, match=ABORTED):
+        clip_grad_norm_(params, None, 1.0, norm_type, nonfinite="abort")
+    for p, b in zip(params, before):
+        torch.testing.assert_close(p.grad, b, equal_nan=True, rtol=0.0, atol=0.0)
+    with pytest.raises(RuntimeError, match=ABORTED):
+        clip_grad_norm(_grads(bad), None, 1.0, norm_type, nonfinite="abort")
+    with pytest.raises(RuntimeError, match=ABORTED):
+        clip_grads_with_norm([torch.ones(3)], 1.0, torch.tensor(bad), nonfinite="abort")
+
+
+def test_abort_on_a_finite_norm_is_propagate_bit_for_bit_and_reads_nothing_on_the_host():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.name())
+            return func(*args, **(kwargs or {}))
+
+    want, total = clip_grad_norm(_seeded_grads(None), None, 0.5)
+    grads = _seeded_grads(None)
+    with Ops() as ops:
+        got, total_ = clip_grad_norm(grads, None, 0.5, nonfinite="abort")
+    assert torch.equal(total_, total) and torch.equal(got["w"], want["w"]) and torch.equal(got["b"], want["b"])
+    assert "aten::_assert_async.msg" in ops.names
+    assert not {"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero"} & set(ops.names), ops.names
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_abort_compiles_into_one_graph_that_stops_on_a_nonfinite_norm(backend):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(backend)
+    params = _params(None)
+    step = torch.compile(lambda: clip_grad_norm_(params, None, 1.0, nonfinite="abort"), backend=counter, fullgraph=True)
+    want = _params(None)
+    want_total = clip_grad_norm_(want, None, 1.0)
+    total = step()
+    assert_close = torch.testing.assert_close
+    assert_close(total, want_total, rtol=1e-6, atol=0.0)
+    for p, q in zip(params, want):
+        assert_close(p.grad, q.grad, rtol=1e-6, atol=0.0)
+
+    for bad in BAD_VALUES:
+        for p, g in zip(params, _params(bad)):
+            p.grad = g.grad
+        with pytest.raises(RuntimeError, match=ABORTED):
+            step()
+    assert counter.frame_count == 1, "one graph, no graph break, no recompile"
+    assert any(n.target is torch._assert_async for n in counter.graphs[0].graph.nodes)

@@ -87,27 +87,7 @@ def nan_on_a_later_rank_reaches_every_rank(rank: int, world_size: int) -> None:
     _good_clip_still_works(_pp_dp()[0])
 
 
-# --- 3. the norm's dtype ----------------------------------------------------------------------
-
-
-def norm_dtype_is_the_same_on_every_stage(rank: int, world_size: int) -> None:
-    mesh, stage = _pp_dp()
-    # Stage 0 holds a float64 leaf, stage 1 does not: both must round the one reduced value alike.
-    grads = {"w": distribute_tensor(torch.full((4, 2), 0.1), mesh["dp"], [Shard(0)])}
-    if stage == 0:
-        grads["b"] = torch.full((3,), 1 / 3, dtype=torch.float64)
-    for norm_type in NORM_TYPES:
-        total = global_grad_norm(grads, mesh, norm_type)
-        assert total.dtype == torch.float32
-        assert _same_everywhere(norm_bits(total)), norm_type
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        total = global_grad_norm(grads, mesh)
-    finally:
-        torch.set_default_dtype(previous)
-    assert total.dtype == torch.float64 and _same_everywhere(norm_bits(total))
-    _good_clip_still_works(mesh)
+# --- 3. the norm's dtype: tests/test_exact_ranks.py -------------------------------------------
 
 
 # --- 4. tied names that match nothing ---------------------------------------------------------
@@ -240,7 +220,6 @@ def with_mesh_none_dtensors_reduce_over_their_own_mesh(rank: int, world_size: in
 
 CASES = [
     nan_on_a_later_rank_reaches_every_rank,
-    norm_dtype_is_the_same_on_every_stage,
     a_tied_name_matching_nothing_raises_and_releases_the_other_stage,
     a_bad_parameter_on_one_stage_releases_the_other,
     float8_grads_and_any_error_release_the_other_stage,
