@@ -24,7 +24,8 @@ alone (``norm_only``: what the statistics take), are read with
 ``torch.profiler`` (``profile_memory=True``). Compiled (inductor,
 ``fullgraph``; GPT-2 shapes): torch's functional ``adamw(foreach=True,
 capturable=True)`` with torch's clip vs ours, and ours with
-``skip_update_`` (fused optimizers do not trace: ``torch.compiler.disable``).
+``skip_update_`` (fused optimizers do not trace: ``torch.compiler.disable``);
+fp32 only in the full run (each inductor compile takes minutes here).
 
 Settings: GPT-2 shapes (the bandwidth study's, 148 leaves, 203.7 M elements;
 ``--quick``: a small GPT-2) and 1000 leaves of 4096 elements, fp32 and bf16.
@@ -58,6 +59,9 @@ FULL = {
     "gpt": {"dim": 1024, "layers": 12, "vocab": 50257, "context": 1024},
     "leaves": [1000],
     "dtypes": ["float32", "bfloat16"],
+    # Inductor compiles of the three compiled variants at GPT-2 shapes take minutes each on 2 cores:
+    # fp32 only in the full run (the quick run compiles both, with aot_eager).
+    "compiled_dtypes": ["float32"],
     "runs": 9,
     "backend": "inductor",
 }
@@ -183,7 +187,8 @@ def run(quick: bool = False, out: pathlib.Path | None = None) -> dict:
     settings = []
     for dtype_name in cfg["dtypes"]:
         dtype = getattr(torch, dtype_name)
-        settings.append(_setting("gpt2", [s for _, s in gpt_shapes(**cfg["gpt"])], dtype, cfg, compiled=True))
+        compiled = dtype_name in cfg.get("compiled_dtypes", cfg["dtypes"])
+        settings.append(_setting("gpt2", [s for _, s in gpt_shapes(**cfg["gpt"])], dtype, cfg, compiled=compiled))
         for n in cfg["leaves"]:
             settings.append(_setting(f"{n}_leaves", [(LEAF,)] * n, dtype, cfg, compiled=False))
     result = {"study": NAME, "quick": quick, "machine": machine(), "runs": cfg["runs"], "config": cfg}
