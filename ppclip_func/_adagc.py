@@ -47,7 +47,7 @@ from ._measure import Measured, NormOptions, PpDim, measure
 from ._norms import norm_kind
 from ._params import ParamIndex, leaf_slots
 from ._paths import GroupSpec, TiedSpec
-from ._scale import _by_device_and_dtype, finite_mask
+from ._scale import _by_device_and_dtype, finite_mask, multiply_group
 
 __all__ = ["AdaGCState", "AdaGCStats", "adagc_clip_grad_norm", "adagc_clip_grad_norm_", "init_adagc_state"]
 
@@ -201,18 +201,7 @@ def scale_per_leaf(
             # the coefficients are a buffer of their own: a scatter is one (measured at GPT-2 shapes: 1.5x
             # the plain clip's time without it).
             c = torch.zeros_like(c).index_add_(0, torch.arange(c.numel(), device=device), c)
-        factors = list(c.unbind())
-        drop = None if keep is None else ~keep.to(device)
-        if inplace:
-            torch._foreach_mul_(group, factors)
-            if drop is not None:
-                for t in group:
-                    t.masked_fill_(drop, 0.0)
-            continue  # ``out`` already holds these tensors
-        for i, p in zip(idx, torch._foreach_mul(group, factors)):
-            if drop is not None:
-                p.masked_fill_(drop, 0.0)
-            out[i] = p if p.dtype == shards[i].dtype else p.to(shards[i].dtype)
+        multiply_group(shards, out, group, idx, list(c.unbind()), keep, inplace=inplace)
     return out
 
 

@@ -121,23 +121,41 @@ def scale(
         compute = torch.float64 if dtype == torch.float64 else torch.float32
         if compute not in coefs:
             coefs[compute] = coefficient(compute)
-        c = coefs[compute].to(device)
-        drop = None if keep is None else ~keep.to(device)
-        if inplace:
-            torch._foreach_mul_(group, c)
-            if drop is not None:
-                for t in group:
-                    t.masked_fill_(drop, 0.0)
-            continue
-        for i, t in zip(idx, torch._foreach_mul(group, c)):
-            if drop is not None:
-                # In place even for the pure API: the products are this call's
-                # own tensors, and a torch.where would allocate (and on CPU,
-                # page-fault in) a second copy of every gradient.
-                t.masked_fill_(drop, 0.0)
-            # A 0-dim grad times the 0-dim fp32 coefficient promotes to fp32.
-            out[i] = t if t.dtype == tensors[i].dtype else t.to(tensors[i].dtype)
+        multiply_group(tensors, out, group, idx, coefs[compute].to(device), keep, inplace=inplace)
     return out
+
+
+def multiply_group(
+    tensors: list[torch.Tensor],
+    out: list[torch.Tensor],
+    group: list[torch.Tensor],
+    idx: list[int],
+    factor: torch.Tensor | list[torch.Tensor],
+    keep: torch.Tensor | None,
+    *,
+    inplace: bool,
+) -> None:
+    """Multiplies one (device, dtype) group of ``tensors`` by ``factor``, writing the results into ``out``.
+
+    ``factor`` is one 0-dim tensor for the whole group, or one per tensor
+    (``_foreach_mul`` takes either). Where ``keep`` is ``False`` every
+    result is zero. In place, ``out`` already holds the tensors themselves.
+    """
+    drop = None if keep is None else ~keep.to(group[0].device)
+    if inplace:
+        torch._foreach_mul_(group, factor)
+        if drop is not None:
+            for t in group:
+                t.masked_fill_(drop, 0.0)
+        return
+    for i, t in zip(idx, torch._foreach_mul(group, factor)):
+        if drop is not None:
+            # In place even for the pure API: the products are this call's
+            # own tensors, and a torch.where would allocate (and on CPU,
+            # page-fault in) a second copy of every gradient.
+            t.masked_fill_(drop, 0.0)
+        # A 0-dim grad times the 0-dim fp32 coefficient promotes to fp32.
+        out[i] = t if t.dtype == tensors[i].dtype else t.to(tensors[i].dtype)
 
 
 def _by_device_and_dtype(
