@@ -53,6 +53,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
+from ._scale import own_buffer
+
 __all__: list[str] = []
 
 MODES = ("zscore", "percentile")
@@ -260,6 +262,7 @@ def select_update(skip: torch.Tensor, new: Any, old: Any) -> Any:
     old_flat = pytree.tree_leaves(old)
     if len(old_flat) != len(new_flat):
         raise ValueError(f"new and old must have the same structure ({len(new_flat)} and {len(old_flat)} leaves)")
+    skip = own_buffer(skip)  # traced: the decision computed once, not in every element's select
     out = [torch.where(skip, o, n) if isinstance(n, torch.Tensor) else n for n, o in zip(new_flat, old_flat)]
     return pytree.tree_unflatten(out, spec)
 
@@ -305,7 +308,9 @@ def skip_update_(skip: torch.Tensor, tensors: Iterable[torch.Tensor] | Any, upda
         # _foreach_add_ on the same 0-dim tensor (AdamW's step count) is dropped from the graph
         # (measured: the count stayed incremented under aot_eager); _foreach_copy_ is kept.
         # Inductor fuses the select into the copy.
+        # The decision is a buffer of its own (own_buffer), computed once, not in every element's select.
         if flat:
+            skip = own_buffer(skip)
             torch._foreach_copy_(flat, [torch.where(skip.to(t.device), old, t) for t, old in zip(flat, saved)])
     else:
         # Eager: the select written in place, no new tensor per leaf (each would page-fault in).
