@@ -109,6 +109,20 @@ def test_plain_tensors_with_pp_mesh_are_replicated_within_their_stage_only():
         assert count_copies(world, torch.ones(3)) == 4
 
 
+def test_plain_tensors_without_pipeline_information_are_taken_for_data_parallel_replicas():
+    """The documented silent case (README, Failure modes): a plain tensor says nothing of its stage.
+
+    On the root mesh with no ``pp_mesh`` every rank is a replica of every
+    other (DDP's layout, which looks the same), so each holds 1/8 of its
+    tensor's square: over 2 stages of 4 ranks, the squares are averaged over
+    the stages instead of added. With ``pp_mesh`` each counts 1/4.
+    """
+    with fake_world(8, 6):
+        root, pp_mesh, _ = _titan_meshes((2, 4, 1, 1))
+        assert count_copies(resolve_world(root, pipeline_stages(root, None, None), []), torch.ones(3)) == 8
+        assert count_copies(resolve_world(root, pipeline_stages(root, None, pp_mesh), []), torch.ones(3)) == 4
+
+
 def test_stage_table_at_thousands_of_ranks():
     """The stages of 4096 ranks, from the layout alone; a second resolve is served from the cache."""
     shape = (4, 8, 64, 2)
