@@ -36,8 +36,9 @@ than one thread):
   fp32 below 2^24 per leaf, ``count_nonzero`` above;
 * everything else (bf16/fp16 leaves, strided leaves, ``p != 2``): streamed
   through a reused scratch buffer of ``BLOCK`` elements in the accumulation
-  dtype, filled by conversion copies (small leaves packed by one ``cat``;
-  strided leaves cut along their outer dims, never copied whole), then
+  dtype, filled by conversion copies (small leaves packed by one ``cat`` in
+  their own dtype, then converted by one copy per block; strided leaves cut
+  along their outer dims, never copied whole), then
   reduced block by block. torch's CPU norm of a bf16 input with an fp32
   result is scalar code, several times slower than a bf16->fp32 copy plus an
   fp32 norm of a block still in cache. The buffer is per thread and dtype
@@ -340,6 +341,19 @@ class _EagerCpu:
         own = (torch.float64,) if self.overflow_safe else (torch.float32, torch.float64)
         layouts = {(t.dtype, t.is_contiguous()) for t in tensors}  # one pass over the leaves
         dtype, contiguous = next(iter(layouts))
+        if len(layouts) == 1 and contiguous and dtype not in own:
+            # One low-precision dtype (bf16, fp16), all contiguous: converted through the scratch
+            # buffer, small leaves packed by one cat per block, with no per-leaf branching.
+            stream = self._stream(_acc_dtype(dtype, self.overflow_safe))
+            small = []
+            for t, n in zip(tensors, map(torch.Tensor.numel, tensors)):
+                if n <= PACK:
+                    small.append(t if t.dim() == 1 else t.view(-1))
+                else:
+                    stream.add(t)
+            if small:
+                stream.pack(small)
+            return
         if len(layouts) == 1 and contiguous and dtype in own:
             # One dtype, all contiguous (the common case): sorted by size with no per-leaf branching.
             sizes = list(map(torch.Tensor.numel, tensors))
@@ -441,7 +455,7 @@ class _Stream:
             self.pending.append(flat[full:])
 
     def pack(self, flats: list[torch.Tensor]) -> None:
-        """Reduces contiguous 1-D tensors of at most ``BLOCK`` elements each, packed side by side.
+        """Reduces contiguous 1-D tensors of one dtype, at most ``BLOCK`` elements each, packed side by side.
 
         One ``cat`` per block into the buffer, then one row-wise norm: no op,
         and little Python, per tensor.
@@ -449,38 +463,52 @@ class _Stream:
         buf, start, fill = self.buf, 0, 0
         for i, n in enumerate(map(torch.Tensor.numel, flats)):
             if fill + n > BLOCK:
-                torch.cat(flats[start:i], out=buf[:fill])
+                self._put(flats[start:i], 0, fill)
                 self.owner.reduce_block(buf[:fill])
                 start, fill = i, 0
             fill += n
-        torch.cat(flats[start:], out=buf[:fill])
+        self._put(flats[start:], 0, fill)
         self.owner.reduce_block(buf[:fill])
 
     def flush(self) -> None:
         buf, fill, run, run_at = self.buf, 0, [], 0
         for item in self.pending:
             n = item.numel()
+            packable = item.dim() == 1 and item.is_contiguous()
+            if run and (fill + n > BLOCK or not packable or item.dtype != run[0].dtype):
+                self._put(run, run_at, fill)
+                run = []
             if fill + n > BLOCK:
-                if run:
-                    torch.cat(run, out=buf[run_at:fill])
-                    run = []
                 self.owner.reduce_block(buf[:fill])
                 fill = 0
-            if item.dim() == 1 and item.is_contiguous():
+            if packable:
                 if not run:
                     run_at = fill
                 run.append(item)
             else:
-                if run:
-                    torch.cat(run, out=buf[run_at:fill])
-                    run = []
                 buf[fill : fill + n].view(item.shape).copy_(item)
             fill += n
         if run:
-            torch.cat(run, out=buf[run_at:fill])
+            self._put(run, run_at, fill)
         if fill:
             self.owner.reduce_block(buf[:fill])
         self.pending = []
+
+    def _put(self, run: list[torch.Tensor], start: int, end: int) -> None:
+        """Writes contiguous 1-D tensors of one dtype side by side into ``buf[start:end]``.
+
+        Tensors of another dtype (bf16, fp16) are packed by a ``cat`` in their
+        own dtype into a staging buffer, then converted by one copy: a ``cat``
+        that converts runs a copy kernel per input (1000 bf16 leaves of 4096
+        elements: 8.3 ms, against 2.4 ms for the ``cat`` in bf16 and 0.8 ms
+        for the conversions of whole blocks).
+        """
+        if run[0].dtype == self.buf.dtype or len(run) == 1:
+            torch.cat(run, out=self.buf[start:end])
+            return
+        staged = _scratch(run[0].dtype)[: end - start]
+        torch.cat(run, out=staged)
+        self.buf[start:end].copy_(staged)
 
 
 def _pieces(t: torch.Tensor, limit: int) -> Iterator[torch.Tensor]:

@@ -28,6 +28,7 @@ import torch
 
 import ppclip_func._local as local
 from ppclip_func import clip_grad_norm_, global_grad_norm
+from ppclip_func._local import BLOCK
 from tests._reference import assert_close_rel, reference_norm
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -144,9 +145,10 @@ def test_clip_grad_norm_in_place_matches_the_reference_on_large_bf16_and_strided
 
 
 def test_many_leaves_cost_at_most_one_op_each():
-    """Small leaves share one foreach call; a medium fp32 leaf costs one ``dot`` (torch's own CPU
-    foreach runs one norm per leaf inside); bf16 leaves are packed, a few ops per 2^19 elements.
-    Views (free: no data is read) are not counted."""
+    """Small leaves share one foreach call; a medium fp32 leaf costs at most one op (torch's own CPU
+    foreach runs one norm per leaf inside); bf16 leaves are packed, a few ops per block of 2^19
+    elements (a cat in bf16, the conversion, the row norms). Views (free: no data is read) are not
+    counted."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class CountOps(TorchDispatchMode):
@@ -165,7 +167,8 @@ def test_many_leaves_cost_at_most_one_op_each():
 
     assert ops([torch.rand(1000) for _ in range(2000)]) == ops([torch.rand(1000) for _ in range(200)])
     assert ops([torch.rand(8192) for _ in range(2000)]) <= 2000 + 20
-    assert ops([torch.rand(64, 128).bfloat16() for _ in range(2000)]) < 100
+    blocks = 2000 * 64 * 128 // BLOCK
+    assert ops([torch.rand(64, 128).bfloat16() for _ in range(2000)]) <= 4 * blocks + 10
 
 
 BLAS_OPS = {
