@@ -24,6 +24,7 @@ from ppclip_func import (
     clip_grad_norm_in_optimizer,
     init_clip_state,
 )
+from tests.test_compile_fake_pg import CaptureBackend, aten_ops
 
 FUSED = {
     "Adam": lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True),
@@ -255,7 +256,8 @@ def test_under_torch_compile_the_hand_over_equals_eager(name):
         o.step()
         return norm
 
-    compiled = torch.compile(train_step, backend="aot_eager")
+    backend = CaptureBackend()  # runs as aot_eager
+    compiled = torch.compile(train_step, backend=backend)
     before: list[torch.Tensor] = []
     for step in range(4):
         for m in (eager_model, model):
@@ -272,4 +274,6 @@ def test_under_torch_compile_the_hand_over_equals_eager(name):
         if step == 2:  # skipped: nothing moved since the step before
             assert all(torch.equal(a, b) for a, b in zip(_state(model, opt), before))
         before = [t.clone() for t in _state(model, opt)]
+    traced = {op for gm in backend.aten for op in aten_ops(gm)}
+    assert "aten::_foreach_norm.Scalar" in traced, "the norm is traced, not run eagerly"
     torch._dynamo.reset()
