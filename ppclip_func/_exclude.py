@@ -17,7 +17,7 @@ import torch
 
 from ._measure import Measured
 from ._norms import NormKind
-from ._paths import GroupSpec, check_groups, group_index
+from ._paths import GroupSpec, check_groups, group_indices
 from ._tree import Leaves
 
 __all__: list[str] = []
@@ -35,22 +35,17 @@ def check_exclude(groups: GroupSpec | None, exclude: Any) -> tuple[list[str], fr
 
 
 def group_members(names: list[str], groups: GroupSpec | None) -> dict[int, list[int]]:
-    """``{group index: positions of its leaves}`` (``len(groups)`` for leaves in no group); static, cached.
-
-    Matching every name against every pattern costs more than the clip itself
-    on 1000 small leaves; a training loop passes the same names each step.
-    """
-    key = (tuple(names), tuple((groups or {}).items()))
+    """``{group index: positions of its leaves}`` (``len(groups)`` for leaves in no group); static, cached."""
+    indices = group_indices(names, groups)
     # Traced once under torch.compile, where the cache would only draw dynamo's warning.
-    return _members.__wrapped__(*key) if torch.compiler.is_compiling() else _members(*key)
+    return _members.__wrapped__(indices) if torch.compiler.is_compiling() else _members(indices)
 
 
 @functools.lru_cache(maxsize=16)
-def _members(names: tuple[str, ...], groups: tuple[tuple[str, Any], ...]) -> dict[int, list[int]]:
-    spec = dict(groups)
+def _members(indices: tuple[int, ...]) -> dict[int, list[int]]:
     members: dict[int, list[int]] = {}
-    for i, name in enumerate(names):
-        members.setdefault(group_index(name, spec), []).append(i)
+    for i, g in enumerate(indices):
+        members.setdefault(g, []).append(i)
     return members
 
 
@@ -69,12 +64,8 @@ def included_params(
     """A bool per parameter name: outside the excluded groups (static), or ``None`` when nothing is excluded."""
     if not excluded:
         return None
-    return [_label_of(name, groups, labels) not in excluded for name in names]
-
-
-def _label_of(name: str, groups: GroupSpec | None, labels: list[str]) -> str | None:
-    g = group_index(name, groups)
-    return labels[g] if g < len(labels) else None
+    counted = [label not in excluded for label in labels] + [True]  # the last index: leaves in no group
+    return [counted[g] for g in group_indices(list(names), groups)]
 
 
 def included_total(measured: Measured, kind: NormKind, labels: list[str], excluded: frozenset[str]) -> torch.Tensor:

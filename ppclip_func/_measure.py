@@ -22,7 +22,7 @@ from ._layout import World, count_copies, pipeline_stages, resolve_world
 from ._local import STAT_DTYPE, leaf_statistics, local_statistics
 from ._norms import ABSENT, HAS_ELEMENT, HAS_LEAF, NormKind
 from ._params import ParamIndex, leaf_slots
-from ._paths import GroupSpec, TiedSpec, check_groups, check_tied, group_index, tied_stages
+from ._paths import GroupSpec, TiedSpec, check_groups, check_tied, group_indices, tied_stages
 from ._reduce import all_reduce_statistics, mesh_device, reduce_partial, release_peers
 from ._tree import Leaves, flatten_grads
 
@@ -144,7 +144,7 @@ def _local_part(
         ]
     # Leaves in no group form one more group, so the total covers every leaf.
     n = len(labels) + 1
-    group_of = [group_index(name, opts.groups) for name in names] if opts.groups else [0] * len(tensors)
+    group_of = list(group_indices(names, opts.groups)) if opts.groups else [0] * len(tensors)
     device = shards[0].device if shards else mesh_device(world.mesh)
     if opts.params is not None:
         slots = leaf_slots(opts.params, leaves.index, len(leaves.flat), leaves.paths)

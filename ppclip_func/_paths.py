@@ -8,12 +8,15 @@ name's parts: ``"layers.0"`` matches ``layers.0.attn.wq.weight`` but not
 pattern is given the name and says yes or no.
 
 Everything here is static Python on names, so it costs nothing per step once
-traced under ``torch.compile``.
+traced under ``torch.compile``; eagerly, the matching is cached.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
+
+import torch
 
 __all__: list[str] = []
 
@@ -58,6 +61,30 @@ def group_index(name: str, groups: GroupSpec | None) -> int:
         if matches(pattern, name):
             return i
     return len(groups)
+
+
+def group_indices(names: list[str], groups: GroupSpec | None) -> tuple[int, ...]:
+    """Returns :func:`group_index` of every name; static, cached.
+
+    Matching every name against every pattern costs more than the clip itself
+    on 1000 small leaves (1.65x the clip without ``groups``); a training loop
+    passes the same names and patterns every step.
+    """
+    if not groups:
+        return (0,) * len(names)
+    key = (tuple(names), tuple(groups.items()))
+    if torch.compiler.is_compiling():
+        return _indices.__wrapped__(*key)  # traced once; the cache would only draw dynamo's warning
+    try:
+        return _indices(*key)
+    except TypeError:  # a predicate that cannot be hashed: matched every call
+        return _indices.__wrapped__(*key)
+
+
+@functools.lru_cache(maxsize=16)
+def _indices(names: tuple[str, ...], groups: tuple[tuple[str, Pattern], ...]) -> tuple[int, ...]:
+    spec = dict(groups)
+    return tuple(group_index(name, spec) for name in names)
 
 
 def check_tied(tied: TiedSpec | None) -> None:
