@@ -342,8 +342,9 @@ class _EagerCpu:
         layouts = {(t.dtype, t.is_contiguous()) for t in tensors}  # one pass over the leaves
         dtype, contiguous = next(iter(layouts))
         if len(layouts) == 1 and contiguous and dtype not in own:
-            # One low-precision dtype (bf16, fp16), all contiguous: converted through the scratch
-            # buffer, small leaves packed by one cat per block, with no per-leaf branching.
+            # One dtype that is not its own accumulation dtype (bf16, fp16; fp32 with overflow_safe), all
+            # contiguous: converted through the scratch buffer, small leaves (those _Stream.add would leave
+            # pending) packed by one cat per block, with no per-leaf branching.
             stream = self._stream(_acc_dtype(dtype, self.overflow_safe))
             small = []
             for t, n in zip(tensors, map(torch.Tensor.numel, tensors)):
