@@ -46,7 +46,12 @@ than one thread):
   bounded.
 
 Under ``torch.compile``, and on other devices, :func:`_traced` runs
-instead: shape-static, no scratch buffer, no loop over blocks.
+instead: shape-static, no scratch buffer, no loop over blocks. On a device
+whose ``_foreach_norm`` kernel sums each tensor in blocks of partial sums
+(``BLOCKWISE_FOREACH``: CUDA), every leaf goes whole into one
+``_foreach_norm`` call per dtype, eager or compiled: a clip dispatches a
+handful of ops per dtype group, not a few per leaf, so the host does not
+set its time at thousands of leaves.
 """
 
 from __future__ import annotations
@@ -78,8 +83,10 @@ WHOLE = 1 << 12
 # one row-wise norm each, in place (rows that tile the leaf, see _row_width), cheaper than the copy
 # from about 2^15 elements with 2 threads (bench/README.md, "The medium-leaf path").
 PACKED = 1 << 15
-# Traced: dense fp32 leaves up to this size join the foreach call in pieces of WHOLE.
-MEDIUM = 1 << 16
+# Device types whose _foreach_norm reduces each tensor in per-block partial sums, combined by a
+# tree (CUDA's multi-tensor norm kernel: blocks of 65536 elements, a few dozen per thread), so a whole
+# leaf of any size is accurate to float32 rounding. Tests add "cpu" to run this branch on a CPU.
+BLOCKWISE_FOREACH = frozenset({"cuda"})
 # Leaves up to this size (contiguous ones; any up to ROW) are packed into the scratch by one cat.
 PACK = 1 << 15
 # Norm-0 counts are exact in fp32 up to 2^24.
@@ -168,7 +175,8 @@ def leaf_statistics(tensors: list[torch.Tensor], kind: NormKind, *, overflow_saf
     batched: dict[torch.dtype, list[int]] = defaultdict(list)
     alone: list[int] = []
     empty: list[int] = []
-    limits = {d: _foreach_limit(d, kind, overflow_safe) for d in {t.dtype for t in tensors}}
+    # A rank's leaves are on one device (flatten_grads checks).
+    limits = {d: _foreach_limit(d, kind, overflow_safe, tensors[0].device) for d in {t.dtype for t in tensors}}
     for i, (t, size) in enumerate(zip(tensors, map(torch.Tensor.numel, tensors))):
         if size == 0:
             empty.append(i)
@@ -201,13 +209,13 @@ def leaf_statistics(tensors: list[torch.Tensor], kind: NormKind, *, overflow_saf
     return stats[torch.tensor(inverse, device=stats.device)]
 
 
-def _foreach_limit(dtype: torch.dtype, kind: NormKind, overflow_safe: bool) -> float:
+def _foreach_limit(dtype: torch.dtype, kind: NormKind, overflow_safe: bool, device: torch.device) -> float:
     """The largest leaf whose statistic one ``_foreach_norm`` call gives within our precision.
 
     Shared by :func:`leaf_statistics` and :func:`_traced`. (The eager bucketed
     path has its own limits: those are about speed on CPU, not precision.)
     """
-    if kind.op != "sum":
+    if kind.op != "sum" or device.type in BLOCKWISE_FOREACH:
         return math.inf  # max and min are exact in any order and at any size
     if kind.p == 0.0:
         return COUNT_WHOLE
@@ -222,7 +230,8 @@ def bucket_statistic(tensors: list[torch.Tensor], kind: NormKind, *, overflow_sa
     ``sum |x|^p`` for ``p > 0``, the non-zero count for ``0``, ``max |x|`` or
     ``min |x|`` for ``±inf``.
     """
-    if torch.compiler.is_compiling() or tensors[0].device.type != "cpu":
+    device = tensors[0].device.type
+    if torch.compiler.is_compiling() or device != "cpu" or device in BLOCKWISE_FOREACH:
         norms, stats = _traced(tensors, kind, overflow_safe)
     else:
         norms, stats = _EagerCpu(kind, overflow_safe).run(tensors)
@@ -267,6 +276,13 @@ def _row_width(n: int) -> int:
         if n % width == 0:
             return width
     return 0
+
+
+@torch.compiler.assume_constant_result
+def _traced_row_width(n: int) -> int:
+    """:func:`_row_width` while tracing: dynamo runs it as it is and keeps the result (an int of the
+    static shape), instead of tracing a loop of up to 1,800 steps per leaf into the compile time."""
+    return _row_width(n)
 
 
 def _dense_view(t: torch.Tensor) -> torch.Tensor:
@@ -550,39 +566,41 @@ def _traced(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Norms (to be raised to ``p``) and ready statistics, in shape-static code with no scratch buffer.
 
-    For tracing, and for accelerators in eager mode. ``_foreach_norm`` stays
-    one call to torch's kernel under inductor (whose accuracy is the eager
-    one, above), so it takes only what that kernel reduces accurately: small
-    leaves, and dense fp32 leaves up to ``MEDIUM`` elements cut into pieces
-    of ``WHOLE``. Larger leaves get a row-wise ``vector_norm``, which inductor
-    generates as its own reduction (a ``dot`` too, less accurately: 1.4e-6 on
-    32K bf16-valued elements), and a strided leaf one ``vector_norm`` over
-    each index of its outermost dim.
+    For tracing, and for accelerators in eager mode. Leaves that one
+    ``_foreach_norm`` reduces within our precision (:func:`_foreach_limit`:
+    small ones, and every leaf on a ``BLOCKWISE_FOREACH`` device) share one
+    call per dtype, which stays one call to torch's kernel under inductor.
+    Every other dense leaf is viewed whole as rows of ``ROW // 8`` to ``ROW``
+    elements (:func:`_row_width`; else rows of ``ROW`` and a last partial
+    one) and reduced row-wise by one ``vector_norm``: no copy, and one
+    reduction per leaf that inductor generates itself, with accumulations
+    as short as the eager path's. (Cutting leaves into foreach pieces gave
+    thousands of 0-dim outputs, each a copy in the kernel and a line of
+    Python in inductor's wrapper: 2.9x torch's compiled clip.) A strided
+    leaf gets one ``vector_norm`` over each index of its outermost dim.
     """
     norms: list[torch.Tensor] = []
-    stats: list[torch.Tensor] = []
     whole: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+    limits = {d: _foreach_limit(d, kind, overflow_safe, tensors[0].device) for d in {t.dtype for t in tensors}}
     for t in tensors:
         acc = _acc_dtype(t.dtype, overflow_safe)
         n = t.numel()
-        if n <= _foreach_limit(t.dtype, kind, overflow_safe):
+        if n <= limits[t.dtype]:
             whole[t.dtype].append(t)
             continue
         t = _dense_view(t)
-        if kind.op == "sum" and kind.p == 2.0 and t.dtype == acc and n <= MEDIUM and t.is_contiguous():
-            # Pieces of WHOLE elements join the foreach call: views cost nothing in a graph, and
-            # this keeps inductor from generating a reduction kernel per leaf (compile time).
-            whole[t.dtype].extend(t.view(-1).split(WHOLE))
-            continue
         if t.is_contiguous() and n >= ROW:
+            width = (_traced_row_width(n) if torch.compiler.is_compiling() else _row_width(n)) or ROW
             flat = t.view(-1)
-            rows = n // ROW
-            norms.append(torch.linalg.vector_norm(flat[: rows * ROW].view(rows, ROW), kind.p, dim=1, dtype=acc))
-            t = flat[rows * ROW :]
+            rows = n // width
+            norms.append(torch.linalg.vector_norm(flat[: rows * width].view(rows, width), kind.p, dim=1, dtype=acc))
+            t = flat[rows * width :]
             if t.numel() == 0:
                 continue
         dims = tuple(range(1, t.dim())) if t.dim() > 1 else None
         norms.append(torch.linalg.vector_norm(t, kind.p, dim=dims, dtype=acc))
     for dtype, items in whole.items():
-        norms.extend(torch._foreach_norm(items, kind.p, dtype=_acc_dtype(dtype, overflow_safe)))
-    return norms, stats
+        # Max and min are exact in the grads' own dtype; sums and counts need the accumulation dtype.
+        acc = _acc_dtype(dtype, overflow_safe) if kind.op == "sum" else dtype
+        norms.append(torch.stack(torch._foreach_norm(items, kind.p, dtype=None if acc == dtype else acc)))
+    return norms, []
