@@ -194,6 +194,8 @@ def _goal_rows(results: dict[str, dict | None], notes: dict[str, str], quick: bo
         rows.append(
             f"| 8. Optimizer step, {s['setting']}, {s['dtype']} | {measured} | {goal} | {_status(all(oks), quick)} |"
         )
+    sw = results.get("sweep")
+    rows += _sweep_rows(sw, quick) if sw else [f"| 9. Sweep | {notes.get('sweep', 'not run')} | (see study) | — |"]
     return rows
 
 
@@ -327,6 +329,61 @@ def _optimizer_table(op: dict) -> list[str]:
     return lines
 
 
+def _sweep_points(sw: dict) -> list[dict]:
+    return [p for series in ("fixed_total", "fixed_leaf", "dtensor", "step") for p in sw["series"].get(series, [])]
+
+
+def _sweep_rows(sw: dict, quick: bool) -> list[str]:
+    """Study 9's goals: compiled ≤ 1.0x torch's at every point, within 1e-6 of float64; the step ≤ 0.9x."""
+    points = _sweep_points(sw)
+    clip = [p for p in points if "compiled" in p["ratio_ours_over_torch"]]
+    steps = [p for p in points if "step" in p["ratio_ours_over_torch"]]
+    worst = max(clip, key=lambda p: p["ratio_ours_over_torch"]["compiled"], default=None)
+    errs = [p["rel_error"].get("ours_compiled", p["rel_error"].get("ours_step")) for p in points]
+    err = max((e for e in errs if e is not None), default=None)
+    rows = []
+    if worst:
+        r = worst["ratio_ours_over_torch"]["compiled"]
+        measured = (
+            f"worst of {len(clip)} points {_x(r)}x ({worst['leaves']} × {worst['leaf_size']:,} {worst['dtype']}); "
+            f"largest error against float64 {err:.2g}"
+        )
+        ok = r <= 1.0 and err is not None and err <= 1e-6
+        rows.append(
+            f"| 9. Sweep, compiled in-place clip | {measured} | ≤ 1.0x torch's, ≤ 1e-6 | {_status(ok, quick)} |"
+        )
+    if steps:
+        r = max(p["ratio_ours_over_torch"]["step"] for p in steps)
+        rows.append(
+            f"| 9. Sweep, compiled optimizer step | worst {_x(r)}x torch's | ≤ 0.9x | {_status(r <= 0.9, quick)} |"
+        )
+    ops = sw.get("host_ops")
+    if ops:
+        most = max(v["ours"] for v in ops.values())
+        measured = ", ".join(f"{n} leaves: {v['ours']} (torch {v['torch']})" for n, v in ops.items())
+        rows.append(f"| 9. Ops per eager clip, accelerator branch | {measured} | ≤ 64 | {_status(most <= 64, quick)} |")
+    return rows
+
+
+def _sweep_table(sw: dict) -> list[str]:
+    lines = [
+        "| series | leaves × size | dtype | torch eager ms | ours/torch eager | torch compiled ms "
+        "| ours/torch compiled | compile s torch / ours | error torch / ours |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for series, points in sw["series"].items():
+        for p in points:
+            r, ms, c, e = p["ratio_ours_over_torch"], p["ms"], p["compile_s"], p["rel_error"]
+            key = "step" if "step" in r else "compiled"
+            theirs, ours = ("torch_step", "ours_step") if key == "step" else ("torch_compiled", "ours_compiled")
+            lines.append(
+                f"| {series} | {p['leaves']} × {p['leaf_size']:,} | {p['dtype']} | {_ms(ms.get('torch_eager'))} "
+                f"| {_x(r.get('eager'))} | {_ms(ms.get(theirs))} | {_x(r.get(key))} "
+                f"| {c.get(theirs, 0):.1f} / {c.get(ours, 0):.1f} | {e.get(theirs, 0):.1g} / {e.get(ours, 0):.1g} |"
+            )
+    return lines
+
+
 def summary(results: dict[str, dict | None], notes: dict[str, str], quick: bool, seconds: dict[str, float]) -> str:
     """The Markdown the README includes: the goals table, then one table per study."""
     machine = next((r["machine"] for r in results.values() if r and "machine" in r), {})
@@ -364,6 +421,13 @@ def summary(results: dict[str, dict | None], notes: dict[str, str], quick: bool,
     if results.get("optimizer"):
         lines += ["", "### 8. The whole optimizer step: time over torch's clip + fused AdamW step (median)", ""]
         lines += _optimizer_table(results["optimizer"])
+    if results.get("sweep"):
+        lines += [
+            "",
+            "### 9. Sweep: ours over torch's time, eager and compiled (median; step rows: the whole step)",
+            "",
+        ]
+        lines += _sweep_table(results["sweep"])
     took = ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items())
     lines += ["", f"Wall time per study: {took}."]
     return "\n".join(lines) + "\n"

@@ -12,8 +12,11 @@ the same size (``torch.mul(flat, c, out=other)`` for the pure API), timed to
 against its nominal peak (H100 SXM 3.35 TB/s, H200 4.8 TB/s, from NVIDIA's
 data sheets).
 
-The run is one prepared command of a few minutes (most of it inductor
-compiling three variants)::
+It then runs study 9's sweep (:mod:`bench.sweep_study`) on the same device:
+torch's clip and ours, eager and compiled, over leaf counts and leaf sizes,
+fp32 and bf16, into ``sweep_cuda.json``.
+
+The run is one prepared command (most of it inductor compiling)::
 
     python -m bench.gpu_study                 # needs CUDA; writes bench/results/gpu.json
     python -m bench.gpu_study --quick --device cpu   # smoke test: 2 small blocks, aot_eager
@@ -29,7 +32,7 @@ import pathlib
 
 import torch
 
-from bench import bandwidth_study
+from bench import bandwidth_study, sweep_study
 from bench._report import RESULTS, write_result
 from bench._shapes import llama3_8b_shapes
 
@@ -50,6 +53,9 @@ def run(quick: bool = False, out: pathlib.Path | None = None, device: str = "cud
     result = {"study": NAME, "measured": True, "quick": quick, **body}
     if torch.device(device).type == "cuda":
         result["cpu_offload"] = _cpu_offload_check()
+    # Study 9's sweep on the same device: compiled and eager, leaf counts and sizes (sweep_cuda.json).
+    sweep = sweep_study.run(quick=quick, out=out, device=device)
+    result["sweep"] = {"study": sweep["study"], "points": sum(len(v) for v in sweep["series"].values())}
     write_result(result, out)
     return result
 

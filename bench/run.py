@@ -26,6 +26,10 @@ Studies (each a module ``bench/<name>_study.py`` with ``run(quick, out) -> dict`
 8. ``optimizer``: one process: the whole optimizer step (clip + fused AdamW),
    torch's clip vs ours in place vs the clip handed to the optimizer, skipped
    steps (time and bytes allocated), eager and compiled, fp32 and bf16.
+9. ``sweep``: one process: torch's clip vs ours, eager and compiled, over
+   10 → 1000 leaves of 16 M elements and leaves of 4 K → 1 M elements, fp32
+   and bf16, DTensors, the compiled optimizer step, and the ops an
+   accelerator's host dispatches per clip.
 
 Also run if present: ``overflow`` (what ``overflow_safe=True`` costs).
 
@@ -51,7 +55,18 @@ import torch
 from bench import _report
 
 RESULTS = pathlib.Path(__file__).parent / "results"
-STUDIES = ("bandwidth", "leaves", "distributed", "ranks", "compile", "overflow", "features", "optimizer", "gpu")
+STUDIES = (
+    "bandwidth",
+    "leaves",
+    "distributed",
+    "ranks",
+    "compile",
+    "overflow",
+    "features",
+    "optimizer",
+    "sweep",
+    "gpu",
+)
 OPTIONAL = {"compile", "overflow"}  # written elsewhere; skipped with a note if absent
 COMPILE_LEAVES_FULL = [145, 1000]
 

@@ -181,7 +181,11 @@ def point(
     t = interleaved({k: _synced(f, device) for k, f in variants.items()}, runs=cfg["runs"], warmup=1)
     torch._dynamo.reset()
     ratios = {}
-    for ours, theirs in (("ours_eager", "torch_eager"), ("ours_compiled", "torch_compiled"), ("ours_step", "torch_step")):
+    for ours, theirs in (
+        ("ours_eager", "torch_eager"),
+        ("ours_compiled", "torch_compiled"),
+        ("ours_step", "torch_step"),
+    ):
         if ours in t.samples and theirs in t.samples:
             ratios[ours.replace("ours_", "")] = t.ratio(ours, theirs)
     out = {
@@ -242,10 +246,13 @@ def host_ops(counts: tuple[int, ...] = (1000, 10_000)) -> dict[str, int]:
 
 
 def run(quick: bool = False, out: pathlib.Path | None = None, device: str = "cpu") -> dict:
-    """Measures the sweep; writes ``<out>/sweep.json`` and returns it."""
+    """Measures the sweep; writes ``<out>/sweep.json`` (``sweep_cuda.json`` on a GPU) and returns it."""
     cfg = QUICK if quick else FULL
     total = QUICK_TOTAL if quick else TOTAL
-    result: dict = {"study": NAME, "quick": quick, "device": device, "machine": machine(), "config": cfg}
+    # On an accelerator the result is a study of its own (sweep_cuda.json), beside the CPU's.
+    name = NAME if device == "cpu" else f"{NAME}_{torch.device(device).type}"
+    result: dict = {"study": name, "quick": quick, "device": device, "machine": machine(), "runs": cfg["runs"]}
+    result["config"] = cfg
     series: dict[str, list[dict]] = {"fixed_total": [], "fixed_leaf": [], "dtensor": [], "step": []}
     torch.compile(lambda x: x + 1, backend=cfg["backend"])(torch.ones(1))  # the backend's one-time start-up
     for name in cfg["dtypes"]:
@@ -300,7 +307,7 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args()
     result = run(quick=args.quick, out=args.out, device=args.device)
-    plot(result, args.out / f"{NAME}.png")
+    plot(result, args.out / f"{result['study']}.png")
 
 
 if __name__ == "__main__":
