@@ -10,6 +10,7 @@ moment of the same run.
 from __future__ import annotations
 
 import dataclasses
+import os
 import platform
 import statistics
 import time
@@ -17,7 +18,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-__all__ = ["MIN_RUNS", "Timings", "interleaved", "machine"]
+__all__ = ["MIN_RUNS", "Timings", "cpu_seconds", "interleaved", "machine"]
 
 MIN_RUNS = 5
 
@@ -77,6 +78,13 @@ def interleaved(
             variants[name]()
             samples[name].append(time.perf_counter() - t0)
     return Timings(samples, first)
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process and of the children it waited for (inductor's compile workers): steadier
+    than wall time on a shared machine."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def machine() -> dict[str, object]:

@@ -45,7 +45,7 @@ from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from bench._report import RESULTS, write_result
 from bench._shapes import gpt_shapes, make_grads, make_params, numel
-from bench._timing import Timings, interleaved, machine
+from bench._timing import Timings, cpu_seconds, interleaved, machine
 from ppclip_func import clip_grad_norm, clip_grad_norm_
 
 NAME = "compile"
@@ -101,10 +101,10 @@ def compile_time(impl: str, n_leaves: int, backend: str) -> dict:
     torch._dynamo.reset()
     compiled = torch.compile(COMPILED[impl], backend=backend, fullgraph=True)
     load = os.getloadavg()[0]
-    with _no_compile_caches():
-        cpu0, t0 = _cpu_seconds(), time.perf_counter()
+    with no_compile_caches():
+        cpu0, t0 = cpu_seconds(), time.perf_counter()
         compiled(arg, max_norm)
-        first, first_cpu = time.perf_counter() - t0, _cpu_seconds() - cpu0
+        first, first_cpu = time.perf_counter() - t0, cpu_seconds() - cpu0
     steady = min(_seconds(lambda: compiled(arg, max_norm)) for _ in range(3))
     torch._dynamo.reset()
     return {
@@ -122,22 +122,17 @@ def compile_time(impl: str, n_leaves: int, backend: str) -> dict:
 def warm_up_compiler(backend: str) -> None:
     """One untimed compile, so one-time start-up costs (imports, the C++ toolchain's first run) land nowhere."""
     torch._dynamo.reset()
-    with _no_compile_caches():
+    with no_compile_caches():
         torch.compile(lambda x: (x * 2).sum(), backend=backend, fullgraph=True)(torch.ones(8))
     torch._dynamo.reset()
 
 
-def _no_compile_caches() -> contextlib.ExitStack:
+def no_compile_caches() -> contextlib.ExitStack:
     """Inductor's on-disk caches off, and C++ compiled in this process's own children (so their CPU time counts)."""
     stack = contextlib.ExitStack()
     stack.enter_context(torch._inductor.config.patch(fx_graph_cache=False, compile_threads=1))
     stack.enter_context(torch._functorch.config.patch(enable_autograd_cache=False))
     return stack
-
-
-def _cpu_seconds() -> float:
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
 
 
 def _seconds(fn: Callable[[], object]) -> float:

@@ -275,5 +275,6 @@ def test_under_torch_compile_the_hand_over_equals_eager(name):
             assert all(torch.equal(a, b) for a, b in zip(_state(model, opt), before))
         before = [t.clone() for t in _state(model, opt)]
     traced = {op for gm in backend.aten for op in aten_ops(gm)}
-    assert "aten::_foreach_norm.Scalar" in traced, "the norm is traced, not run eagerly"
+    # On CPU the statistics are one op of ours in the graph (ppclip_func::cpu_statistic).
+    assert "ppclip_func::cpu_statistic" in traced, "the norm is traced, not run eagerly"
     torch._dynamo.reset()

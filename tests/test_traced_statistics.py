@@ -1,13 +1,15 @@
-"""The statistics path for compiled code and for accelerators: accurate, and O(dtype groups) ops on a GPU's host.
+"""The statistics in compiled code and on accelerators: accurate, and O(dtype groups) ops on a GPU's host.
 
-Under ``torch.compile`` every dense leaf is reduced as rows of at most
-``ROW`` elements by a reduction inductor generates; on a device whose
+Three paths besides the eager CPU one: compiled on CPU, a bucket is one op
+(``ppclip_func::cpu_statistic``) that runs the eager code; on a device whose
 ``_foreach_norm`` sums in blocks (CUDA) every leaf goes whole into one call
-per dtype. The first must keep the 1e-6 promise on every leaf shape as
-inductor compiles it (each leaf its own group, so a bad leaf cannot hide in
-a large total); the second must dispatch a number of ops that does not grow
+per dtype, eager or compiled; on any other device, and compiled there, every
+dense leaf is reduced as rows of at most ``ROW`` elements (``_traced``). The
+compiled ones must keep the 1e-6 promise on every leaf shape as inductor
+compiles them (each leaf its own group, so a bad leaf cannot hide in a large
+total); the blockwise one must dispatch a number of ops that does not grow
 with the leaf count, since on a GPU each op is host work. No GPU is lent to
-CI, so the second runs here with "cpu" forced into ``BLOCKWISE_FOREACH``.
+CI, so it runs here with "cpu" forced into ``BLOCKWISE_FOREACH``.
 """
 
 from __future__ import annotations
@@ -58,6 +60,39 @@ def test_every_leaf_compiled_by_inductor_is_within_1e6_of_float64(dtype, norm_ty
     for name, leaf in leaves.items():
         assert_close_rel(float(per_leaf[name]), reference_norm([leaf], norm_type), 1e-6, name)
     assert_close_rel(float(total), reference_norm(leaves.values(), norm_type), 1e-6, "total")
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_row_wise_path_compiled_by_inductor_is_within_1e6_of_float64_leaf_by_leaf(dtype, norm_type):
+    leaves = leaf_shapes(dtype)
+    kind = norm_kind(norm_type)
+
+    def per_leaf(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [kind.root(local._combine(*local._traced([t], kind, False), kind)) for t in tensors]
+
+    torch._dynamo.reset()
+    got = torch.compile(per_leaf, fullgraph=True)(list(leaves.values()))
+    torch._dynamo.reset()
+    for (name, leaf), norm in zip(leaves.items(), got):
+        assert_close_rel(float(norm), reference_norm([leaf], norm_type), 1e-6, name)
+
+
+def test_a_compiled_cpu_bucket_is_one_op_whatever_its_leaves():
+    leaves = list(leaf_shapes(torch.float32).values())
+    graphs = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    torch.compile(lambda g: global_grad_norm(g, None), backend=backend, fullgraph=True)(leaves)
+    torch._dynamo.reset()
+    (gm,) = graphs
+    calls = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert calls.count(torch.ops.ppclip_func.cpu_statistic.default) == 1, calls
+    assert not {torch.ops.aten.linalg_vector_norm.default, torch.ops.aten._foreach_norm.Scalar} & set(calls)
 
 
 @pytest.mark.parametrize("size", [57344, 100_003])
