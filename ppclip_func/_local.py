@@ -47,7 +47,9 @@ than one thread):
 
 Under ``torch.compile`` on CPU, each bucket is one custom op
 (``ppclip_func::cpu_statistic``) that runs this same eager code at step
-time: inductor compiles no reduction per leaf. On a device whose
+time, so inductor compiles no reduction per leaf, except for dense fp32
+leaves of ``PACKED`` to ``TRACED_ROWS`` elements (the FSDP-shard band),
+which :func:`_traced` reduces as rows inside the graph. On a device whose
 ``_foreach_norm`` kernel sums each tensor in blocks of partial sums
 (``BLOCKWISE_FOREACH``: CUDA), every leaf goes whole into one
 ``_foreach_norm`` call per dtype, eager or compiled: a clip dispatches a
@@ -90,6 +92,9 @@ PACKED = 1 << 15
 # tree (CUDA's multi-tensor norm kernel: blocks of 65536 elements, a few dozen per thread), so a whole
 # leaf of any size is accurate to float32 rounding. Tests add "cpu" to run this branch on a CPU.
 BLOCKWISE_FOREACH = frozenset({"cuda"})
+# Compiled on CPU, dense fp32 leaves of PACKED to this size are reduced by inductor's own row reductions
+# (see _compiled_cpu_statistic); every other leaf by the eager code, as one op.
+TRACED_ROWS = 1 << 18
 # Leaves up to this size (contiguous ones; any up to ROW) are packed into the scratch by one cat.
 PACK = 1 << 15
 # Norm-0 counts are exact in fp32 up to 2^24.
@@ -236,11 +241,35 @@ def bucket_statistic(tensors: list[torch.Tensor], kind: NormKind, *, overflow_sa
     device = tensors[0].device.type
     if device == "cpu" and device not in BLOCKWISE_FOREACH:
         if torch.compiler.is_compiling():
-            return _cpu_statistic(tensors, kind.p, kind.op, overflow_safe)
+            return _compiled_cpu_statistic(tensors, kind, overflow_safe)
         norms, stats = _EagerCpu(kind, overflow_safe).run(tensors)
     else:
         norms, stats = _traced(tensors, kind, overflow_safe)
     return _combine(norms, stats, kind)
+
+
+def _compiled_cpu_statistic(tensors: list[torch.Tensor], kind: NormKind, overflow_safe: bool) -> torch.Tensor:
+    """A CPU bucket in a compiled graph: the eager code as one op, the FSDP-shard band as inductor's rows.
+
+    Dense leaves in their own accumulation dtype of ``PACKED`` to ``TRACED_ROWS``
+    elements take :func:`_traced`'s row-wise reduction, which inductor compiles
+    into the step: eager code would pay a dispatched op per leaf there, about
+    as long as reading a 56 K-element leaf (300 such leaves: 1.5x torch's
+    compiled clip as one op, 1.0x as rows). Every other leaf goes to the one
+    op (:func:`_cpu_statistic`): a reduction per leaf costs inductor about
+    50 ms of compile time, and for small leaves (packed), large ones (their
+    op is short beside the read) and low-precision ones (converted through
+    the scratch buffer) the eager code is as fast.
+    """
+    own = (torch.float64,) if overflow_safe else (torch.float32, torch.float64)
+    rows, rest = [], []
+    for t in tensors:
+        banded = kind.op == "sum" and t.dtype in own and PACKED < t.numel() <= TRACED_ROWS and t.is_contiguous()
+        (rows if banded else rest).append(t)
+    parts = [_combine(*_traced(rows, kind, overflow_safe), kind)] if rows else []
+    if rest:
+        parts.append(_cpu_statistic(rest, kind.p, kind.op, overflow_safe))
+    return parts[0] if len(parts) == 1 else kind.combine(torch.stack(parts))
 
 
 @torch.library.custom_op("ppclip_func::cpu_statistic", mutates_args=())
