@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from ._adaptive import ClipState, ClipStats, Rule, check_adaptive_args
-from ._api import _adapt, _check_clip_args, _grad_reader
+from ._call import _adapt, _check_clip_args, _grad_reader
 from ._measure import GroupNorms, NormOptions, PpDim, measure
 from ._norms import norm_kind
 from ._params import ParamIndex
