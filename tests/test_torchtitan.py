@@ -46,7 +46,9 @@ from tests._cases import real_rank_test
 from tests._collectives import CollectiveCounter
 from tests._gather import model_gradient
 from tests._reference import reference_coefficient, reference_norm
-from tests._torchtitan import TORCHTITAN_VERSION, Layout, Trained, train_step
+from tests._torchtitan import TORCHTITAN_VERSION, Layout, Trained, needs_torchtitan, train_step
+
+pytestmark = needs_torchtitan
 
 WORLD = 8
 NORM_TYPES = (2.0, 1.0, math.inf)
@@ -79,7 +81,7 @@ GRAD_MESHES = {
 
 
 def test_torchtitan_is_installed() -> None:
-    """torchtitan is a pinned test dependency: without it these tests fail, they do not skip."""
+    """torchtitan is a pinned test dependency on Python >= 3.11: without it these tests fail, they do not skip."""
     try:
         version = importlib.metadata.version("torchtitan")
     except importlib.metadata.PackageNotFoundError:
