@@ -77,8 +77,8 @@ def global_grad_norm(
 ) -> torch.Tensor | tuple[torch.Tensor, GroupNorms]:
     """Returns the norm of the whole model's gradient, with one collective.
 
-    Every leaf is weighed by its layout (see the README's "How one collective
-    counts every element once"), the weighted local statistics are combined
+    Every leaf is weighed by its layout (see docs/layouts.md, "Leaf semantics:
+    how one collective counts every element once"), the weighted local statistics are combined
     on this rank, and a single ``all_reduce`` over the ranks of ``mesh``
     completes the sum (or max/min). Nothing here reads a tensor value on the
     host.
@@ -101,7 +101,7 @@ def global_grad_norm(
             any world mesh works, torchtitan's 1-D ``("world",)`` included.
             With ``mesh=None`` the world is its root mesh. Not with ``pp_dim``.
         groups: Optional ``{label: pattern}``; a leaf belongs to the first
-            group whose pattern matches its dotted name (see the README's
+            group whose pattern matches its dotted name (see docs/api.md,
             "Names and patterns": ``"layers.0"`` matches
             ``layers.0.attn.wq.weight``, not ``layers.01.w``), or a
             predicate on the name. Each group's global norm is computed in
@@ -183,7 +183,7 @@ def clip_grads_with_norm(
             process with ``torch._assert_async``: no host read, eager or
             compiled; on CPU a ``RuntimeError`` before any grad is scaled,
             on CUDA a device-side assert that loses the CUDA context; see
-            the README's "Failure modes").
+            docs/failure-modes.md).
 
     Returns:
         The scaled gradients, with the structure of ``grads``.
@@ -454,8 +454,8 @@ def adaptive_clip_grad_norm_(
     the threshold, the skip decision and the new statistics are 0-dim
     tensors computed on the device. The rule and its defaults are ZClip's
     (Kumar et al. 2025, arXiv:2504.02507) as its package ``zclip==1.0.0``
-    computes them, tested step by step against it; the README ("Beyond a
-    fixed threshold") maps ZClip's option names to these.
+    computes them, tested step by step against it; docs/adaptive.md ("Adaptive
+    threshold: ZClip") maps ZClip's option names to these.
 
     * **Warm-up** (the first ``warmup`` finite norms): clip at ``max_norm``;
       the norms' mean and variance start the statistics.

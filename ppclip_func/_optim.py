@@ -25,7 +25,7 @@ with an ``optimizers`` list) are handled optimizer by optimizer. Under
 break, as a fused ``optimizer.step()`` does; for one graph with no break,
 the traced clip and :func:`~ppclip_func.select_update` /
 :func:`~ppclip_func.skip_update_` fuse into a compiled functional step
-instead (see the README).
+instead (see docs/compile.md, "A compiled optimizer step").
 """
 
 from __future__ import annotations
