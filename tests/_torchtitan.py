@@ -10,8 +10,8 @@ forward/backward through the pipeline schedule the way the trainer calls it.
 
 torchtitan targets CUDA and a newer torch; :func:`patch_torchtitan` makes it
 run on CPU with gloo and torch 2.13 or 2.14 without editing site-packages.
-The test process imports only the layouts and the markers from here: the
-ranks apply the patches before their first torchtitan import.
+The test process imports this module but never torchtitan: the ranks apply
+the patches before their first torchtitan import.
 
 SPMD backends: torchtitan 0.3.0's default, ``"spmd_types"`` (parameters
 ``fully_shard`` over plain-tensor modules, typed by ``spmd_types``), needs
