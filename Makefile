@@ -2,9 +2,9 @@
 VENV ?= .venv
 # The Python the venv is made with (3.10 to 3.13), e.g. `make test PYTHON=python3.12 VENV=.venv-3.12`.
 PYTHON ?= python3
-# The torch the venv gets, pinned: a bare or ranged `torch` could pull a newer CUDA build. On Linux
-# x86_64, PyPI's torch wheels are CUDA builds (torch 2.13.0: a 527 MB wheel and about 3 GB of CUDA
-# libraries); TORCH_INDEX=https://download.pytorch.org/whl/cpu takes the CPU build from PyTorch's index.
+# The torch the venv gets, pinned: a bare or ranged `torch` could pull a newer CUDA build. PyPI's
+# Linux x86_64 torch wheels are CUDA builds (sizes: docs/versions.md);
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu takes the CPU build from PyTorch's index.
 TORCH ?= 2.13.0
 TORCH_INDEX ?=
 PY := $(VENV)/bin/python
