@@ -1,7 +1,12 @@
 # One entry point. `make demo`, `make test` and `make bench` each set up .venv first (once).
 VENV ?= .venv
-# The torch the venv gets, pinned: a bare or ranged `torch` could pull a multi-GB CUDA build.
+# The Python the venv is made with (3.10 to 3.13), e.g. `make test PYTHON=python3.12 VENV=.venv-3.12`.
+PYTHON ?= python3
+# The torch the venv gets, pinned: a bare or ranged `torch` could pull a newer CUDA build. PyPI's
+# Linux x86_64 torch wheels are CUDA builds (sizes: docs/versions.md);
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu takes the CPU build from PyTorch's index.
 TORCH ?= 2.13.0
+TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 # The stamp is named after the package version (read from ppclip_func/__init__.py, its one
 # source) and the torch version: a new version of either sets the venv up again.
@@ -10,16 +15,23 @@ STAMP := $(VENV)/.installed-$(VERSION)-torch-$(TORCH)
 BENCH_STAMP := $(STAMP)-bench
 LINTED := ppclip_func tests bench demo
 
-.PHONY: demo demo-spike test test-quick test-torch-2.14 lint bench clean
+.PHONY: demo demo-spike test test-quick test-torch-2.14 test-pythons lint bench clean
 
 # torchtitan 0.3.0 is a test dependency (tests/test_torchtitan.py runs its own meshes, models and
 # parallelisms), installed without its dependencies (datasets, wandb, torchdata, ...): the parts
-# the tests use import only what the test extra brings. It needs Python >= 3.11.
+# the tests use import only what the test extra brings. It needs Python >= 3.11: on 3.10 it is not
+# installed, and the tests that run it skip, saying so. A venv made with another Python is made again.
 $(STAMP): pyproject.toml
-	python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet torch==$(TORCH) numpy
+	@$(PY) -c 'import sys; v = sys.argv[1].split(); sys.exit(sys.version_info[:2] != (int(v[0]), int(v[1])))' \
+		"$$($(PYTHON) -c 'import sys; print(*sys.version_info[:2])')" 2>/dev/null || $(PYTHON) -m venv --clear $(VENV)
+	$(PY) -m pip install --quiet $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) torch==$(TORCH) numpy
 	$(PY) -m pip install --quiet -e '.[test]'
-	$(PY) -m pip install --quiet --no-deps torchtitan==0.3.0
+	@if $(PY) -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then \
+		echo "$(PY) -m pip install --quiet --no-deps torchtitan==0.3.0"; \
+		$(PY) -m pip install --quiet --no-deps torchtitan==0.3.0; \
+	else \
+		echo "Python < 3.11: torchtitan 0.3.0 (Python >= 3.11) is not installed; its tests will skip"; \
+	fi
 	touch $@
 
 # matplotlib for the plots: a bench-only extra (torchtitan's clip, study 3's baseline, comes with the tests').
@@ -56,6 +68,21 @@ test-quick: $(STAMP)
 # PyPI's torch 2.14.1 wheel brings the CUDA libraries (about 5.5 GB installed).
 test-torch-2.14:
 	$(MAKE) test VENV=.venv-torch-2.14 TORCH=2.14.1
+
+# The quick tests on each Python from 3.10 to 3.13 this machine has (on PATH as python3.X, or
+# installed by pyenv), each in a venv of its own (.venv-py3.X, made the first time: torch is
+# downloaded for each Python). A Python the machine lacks is named, and fails nothing.
+test-pythons:
+	@ran=; missing=; failed=; \
+	for v in 3.10 3.11 3.12 3.13; do \
+		py=$$(for p in python$$v $$(pyenv root 2>/dev/null)/versions/$$v.*/bin/python$$v; do \
+			"$$p" -c '' 2>/dev/null && command -v "$$p" && break; done); \
+		if [ -z "$$py" ]; then missing="$$missing $$v"; continue; fi; \
+		echo "=== Python $$v: $$py"; \
+		if $(MAKE) test-quick PYTHON=$$py VENV=.venv-py$$v; then ran="$$ran $$v"; else failed="$$failed $$v"; fi; \
+	done; \
+	echo "test-quick passed on Python:$${ran:- none}; failed on:$${failed:- none}; not on this machine:$${missing:- none}"; \
+	[ -z "$$failed" ] && [ -n "$$ran" ]
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -41,7 +41,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._api import _check_clip_args, _grad_reader, _rewrap
+from ._call import _check_clip_args, _grad_reader, _rewrap
 from ._exclude import check_exclude, included_params, without_excluded
 from ._measure import Measured, NormOptions, PpDim, measure
 from ._norms import norm_kind

@@ -4,23 +4,21 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable
 from typing import Any, TypeVar, overload
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
-from torch.utils import _pytree as pytree
 
-from ._adaptive import ClipState, ClipStats, Rule, adapt, check_adaptive_args
+from ._adaptive import ClipState, ClipStats, Rule, check_adaptive_args
+from ._call import _adapt, _check_clip_args, _grad_reader, _rewrap
 from ._exclude import check_exclude, without_excluded
-from ._measure import GroupNorms, Measured, NormOptions, PpDim, measure
+from ._measure import GroupNorms, NormOptions, PpDim, measure
 from ._norms import norm_kind
 from ._params import ParamIndex
 from ._paths import GroupSpec, TiedSpec
-from ._scale import NONFINITE_POLICIES, clip_coefficient, finite_mask, scale
-from ._tree import Leaves, flatten_grads
+from ._scale import clip_coefficient, finite_mask, scale
+from ._tree import flatten_grads
 
 __all__ = [
     "adaptive_clip_grad_norm",
@@ -79,8 +77,8 @@ def global_grad_norm(
 ) -> torch.Tensor | tuple[torch.Tensor, GroupNorms]:
     """Returns the norm of the whole model's gradient, with one collective.
 
-    Every leaf is weighed by its layout (see the README's "How one collective
-    counts every element once"), the weighted local statistics are combined
+    Every leaf is weighed by its layout (see docs/layouts.md, "Leaf semantics:
+    how one collective counts every element once"), the weighted local statistics are combined
     on this rank, and a single ``all_reduce`` over the ranks of ``mesh``
     completes the sum (or max/min). Nothing here reads a tensor value on the
     host.
@@ -103,7 +101,7 @@ def global_grad_norm(
             any world mesh works, torchtitan's 1-D ``("world",)`` included.
             With ``mesh=None`` the world is its root mesh. Not with ``pp_dim``.
         groups: Optional ``{label: pattern}``; a leaf belongs to the first
-            group whose pattern matches its dotted name (see the README's
+            group whose pattern matches its dotted name (see docs/api.md,
             "Names and patterns": ``"layers.0"`` matches
             ``layers.0.attn.wq.weight``, not ``layers.01.w``), or a
             predicate on the name. Each group's global norm is computed in
@@ -185,7 +183,7 @@ def clip_grads_with_norm(
             process with ``torch._assert_async``: no host read, eager or
             compiled; on CPU a ``RuntimeError`` before any grad is scaled,
             on CUDA a device-side assert that loses the CUDA context; see
-            the README's "Failure modes").
+            docs/failure-modes.md).
 
     Returns:
         The scaled gradients, with the structure of ``grads``.
@@ -456,8 +454,8 @@ def adaptive_clip_grad_norm_(
     the threshold, the skip decision and the new statistics are 0-dim
     tensors computed on the device. The rule and its defaults are ZClip's
     (Kumar et al. 2025, arXiv:2504.02507) as its package ``zclip==1.0.0``
-    computes them, tested step by step against it; the README ("Beyond a
-    fixed threshold") maps ZClip's option names to these.
+    computes them, tested step by step against it; docs/adaptive.md ("Adaptive
+    threshold: ZClip") maps ZClip's option names to these.
 
     * **Warm-up** (the first ``warmup`` finite norms): clip at ``max_norm``;
       the norms' mean and variance start the statistics.
@@ -624,52 +622,6 @@ def adaptive_clip_grad_norm(
     return measured.leaves.unflatten(_rewrap(measured.leaves, out)), stats
 
 
-def _adapt(measured: Measured, state: ClipState, rule: Rule, with_groups: bool) -> ClipStats:
-    total = measured.total
-    threshold, zscore, skip, new_state = adapt(total, state, rule)
-    groups = measured.per_group if with_groups else None
-    return ClipStats(total, threshold.to(total.dtype), zscore, skip, new_state, groups, measured.per_param)
-
-
-_PARAMETER_TYPES = frozenset({torch.nn.Parameter, torch.Tensor})
-
-
-def _grad_reader(parameters: Any, caller: str) -> tuple[Any, Callable[[], Any]]:
-    """Returns the parameters as a tensor pytree (a generator consumed once) and a function reading their grads."""
-    if isinstance(parameters, torch.Tensor):
-        parameters = [parameters]
-    elif isinstance(parameters, Iterator):
-        parameters = list(parameters)  # consumed once, here
-        if not parameters:
-            warnings.warn(
-                f"{caller}: `parameters` is an empty iterator (a generator that was already consumed?); "
-                "no gradient of this rank will be clipped",
-                stacklevel=4,
-            )
-    elif not isinstance(parameters, (list, tuple, dict)) and isinstance(parameters, Iterable):
-        parameters = list(parameters)
-
-    def read_grads() -> Any:
-        # The common cases, a list or a dict of parameters, without tree_map's per-leaf overhead.
-        if isinstance(parameters, list):
-            if set(map(type, parameters)) <= _PARAMETER_TYPES:
-                return [p.grad for p in parameters]
-            return [_grad_of(p) for p in parameters]
-        if type(parameters) is dict and set(map(type, parameters.values())) <= _PARAMETER_TYPES:
-            return {name: p.grad for name, p in parameters.items()}
-        return pytree.tree_map(_grad_of, parameters)
-
-    return parameters, read_grads
-
-
-def _grad_of(p: Any) -> torch.Tensor | None:
-    if p is None:
-        return None
-    if not isinstance(p, torch.Tensor):
-        raise TypeError(f"parameters must be tensors, got {type(p).__name__}")
-    return p.grad
-
-
 def _apply(
     locals_: list[torch.Tensor],
     max_norm: float | torch.Tensor,
@@ -682,28 +634,3 @@ def _apply(
 ) -> list[torch.Tensor]:
     keep = finite_mask(total, norm_type, nonfinite)
     return scale(locals_, functools.partial(clip_coefficient, max_norm, total, eps), inplace=inplace, keep=keep)
-
-
-def _rewrap(leaves: Leaves, new_locals: list[torch.Tensor]) -> list[torch.Tensor]:
-    out = []
-    for leaf, local in zip(leaves.tensors, new_locals):
-        if isinstance(leaf, DTensor):
-            local = DTensor.from_local(
-                local, leaf.device_mesh, leaf.placements, run_check=False, shape=leaf.shape, stride=leaf.stride()
-            )
-        out.append(local)
-    return out
-
-
-def _check_clip_args(max_norm: float | torch.Tensor, eps: float, nonfinite: str) -> None:
-    if isinstance(max_norm, torch.Tensor):
-        if max_norm.dim() != 0:
-            raise ValueError(f"max_norm must be a number or a 0-dim tensor, got shape {tuple(max_norm.shape)}")
-    elif isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
-        raise TypeError(f"max_norm must be a number or a 0-dim tensor, got {type(max_norm).__name__}")
-    elif not max_norm >= 0:  # NaN too; math.isnan fails on the symbolic float torch.compile may pass
-        raise ValueError(f"max_norm must be >= 0, got {max_norm}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or math.isnan(eps) or eps < 0:
-        raise ValueError(f"eps must be a number >= 0, got {eps!r}")
-    if nonfinite not in NONFINITE_POLICIES:
-        raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")

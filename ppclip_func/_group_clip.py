@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._api import _check_clip_args, _grad_reader, _rewrap
+from ._call import _check_clip_args, _grad_reader, _rewrap
 from ._exclude import check_exclude, group_members, included_total
 from ._measure import GroupNorms, Measured, NormOptions, PpDim, measure
 from ._norms import NormKind, norm_kind

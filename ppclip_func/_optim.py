@@ -25,7 +25,7 @@ with an ``optimizers`` list) are handled optimizer by optimizer. Under
 break, as a fused ``optimizer.step()`` does; for one graph with no break,
 the traced clip and :func:`~ppclip_func.select_update` /
 :func:`~ppclip_func.skip_update_` fuse into a compiled functional step
-instead (see the README).
+instead (see docs/compile.md, "A compiled optimizer step").
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from ._adaptive import ClipState, ClipStats, Rule, check_adaptive_args
-from ._api import _adapt, _check_clip_args, _grad_reader
+from ._call import _adapt, _check_clip_args, _grad_reader
 from ._measure import GroupNorms, NormOptions, PpDim, measure
 from ._norms import norm_kind
 from ._params import ParamIndex

@@ -62,8 +62,7 @@ def finite_mask(total_norm: torch.Tensor, norm_type: float | None, nonfinite: st
             compiler's choice). On CUDA the check is a device-side assert
             that nothing raises at this call: the next synchronizing call
             fails with "device-side assert triggered", the CUDA context is
-            lost and the process must exit (see the README's "Failure
-            modes"). Every rank holds the same norm, so every rank stops.
+            lost and the process must exit (see docs/failure-modes.md). Every rank holds the same norm, so every rank stops.
     """
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")

@@ -9,9 +9,16 @@ initialized by the model, torchtitan's cross-entropy loss, and one
 forward/backward through the pipeline schedule the way the trainer calls it.
 
 torchtitan targets CUDA and a newer torch; :func:`patch_torchtitan` makes it
-run on CPU with gloo and torch 2.13 without editing site-packages. Nothing
-here is imported by the test process: the ranks apply the patches before
-their first torchtitan import.
+run on CPU with gloo and torch 2.13 or 2.14 without editing site-packages.
+The test process imports this module but never torchtitan: the ranks apply
+the patches before their first torchtitan import.
+
+SPMD backends: torchtitan 0.3.0's default, ``"spmd_types"`` (parameters
+``fully_shard`` over plain-tensor modules, typed by ``spmd_types``), needs
+torch >= 2.14: under torch 2.13 its ``fully_shard`` fails ("all parameters
+must be DTensors on the full SPMD mesh"), so those layouts skip there, saying
+so. ``"full_dtensor"`` runs on both, ``"partial_dtensor"`` (the legacy
+backend) too.
 """
 
 from __future__ import annotations
@@ -22,12 +29,20 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 TORCHTITAN_VERSION = "0.3.0"
+TORCH_2_14 = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14)
+
+# torchtitan 0.3.0 requires Python >= 3.11: there the Makefile installs it and a test that imports it fails
+# without it; on 3.10 it is not installed and those tests skip, saying so.
+needs_torchtitan = pytest.mark.skipif(
+    sys.version_info < (3, 11), reason=f"torchtitan {TORCHTITAN_VERSION} requires Python >= 3.11 (not installed here)"
+)
 
 MODELS = ("llama3", "qwen3_moe")
 
@@ -42,13 +57,22 @@ class Layout:
     dp_shard: int = 1
     tp: int = 1
     ep: int = 1
-    # Not torchtitan's default "spmd_types": its plain-tensor params fail torch 2.13's fully_shard ("all
-    # parameters must be DTensors on the full SPMD mesh"). "partial_dtensor" is the legacy backend.
+    # torchtitan's default is "spmd_types" (torch >= 2.14: see :meth:`skip_reason`); "partial_dtensor" is
+    # the legacy backend.
     spmd_backend: str = "full_dtensor"
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
             raise ValueError(f"model {self.model!r} is not one of {MODELS}")
+
+    def skip_reason(self) -> str | None:
+        """Why this layout cannot run with the installed torch, or None."""
+        if self.spmd_backend == "spmd_types" and not TORCH_2_14:
+            return (
+                f"torchtitan's spmd_types backend needs torch >= 2.14 (torch {torch.__version__}'s fully_shard "
+                "fails: 'all parameters must be DTensors on the full SPMD mesh')"
+            )
+        return None
 
 
 @dataclasses.dataclass
@@ -129,7 +153,43 @@ def patch_torchtitan() -> None:
 
     if parallel_dims.device_type != "cpu":
         raise RuntimeError(f"torchtitan's meshes would be built on {parallel_dims.device_type!r}")
+
+    # spmd_types exchanges expert tokens with the list form of all_to_all, which gloo refuses for uneven
+    # splits ("ProcessGroupGloo::alltoall: invalid tensor size"); its own hook swaps in a dist that
+    # does the same exchange with all_to_all_single.
+    import spmd_types
+
+    spmd_types.set_dist(_dist_with_all_to_all_single())
     _PATCHED = True
+
+
+def _dist_with_all_to_all_single() -> types.ModuleType:
+    """``torch.distributed`` whose ``all_to_all`` (the list form) runs as one ``all_to_all_single``."""
+
+    def all_to_all(
+        output_tensor_list: list[torch.Tensor],
+        input_tensor_list: list[torch.Tensor],
+        group: Any = None,
+        async_op: bool = False,
+    ) -> None:
+        if async_op:
+            raise NotImplementedError("async all_to_all is not routed through all_to_all_single here")
+        inputs = torch.cat([t.reshape(-1) for t in input_tensor_list])
+        outputs = inputs.new_empty(sum(t.numel() for t in output_tensor_list))
+        dist.all_to_all_single(
+            outputs,
+            inputs,
+            output_split_sizes=[t.numel() for t in output_tensor_list],
+            input_split_sizes=[t.numel() for t in input_tensor_list],
+            group=group,
+        )
+        for t, chunk in zip(output_tensor_list, outputs.split([t.numel() for t in output_tensor_list])):
+            t.copy_(chunk.view_as(t))
+
+    module = types.ModuleType("torch_distributed_with_all_to_all_single")
+    module.all_to_all = all_to_all  # type: ignore[attr-defined]
+    module.__getattr__ = lambda name: getattr(dist, name)  # type: ignore[method-assign]
+    return module
 
 
 def _sdpa_attention(model_config: Any) -> None:
@@ -151,7 +211,10 @@ def _sum_reductions(model_parts: list[nn.Module]) -> None:
 
 
 def _step_microbatches(schedule: Any) -> None:
-    """torch 2.13's ``schedule.step()`` takes a whole batch, not torchtitan's ``arg_mbs=...``: route those here."""
+    """torch 2.13's ``schedule.step()`` takes a whole batch, not torchtitan's ``arg_mbs=...``: route those here.
+
+    torch 2.14's takes ``arg_mbs``/``kwarg_mbs``/``target_mbs`` itself: not patched there.
+    """
 
     def step(
         *,
@@ -263,7 +326,8 @@ def train_step(layout: Layout) -> Trained:
             parallelize_fn=spec.parallelize_fn,
             loss_fn=loss_fn,
         )
-        _step_microbatches(schedule)
+        if not TORCH_2_14:
+            _step_microbatches(schedule)
     else:
         model_parts = [spec.parallelize_fn(model, **common)]
     for m in model_parts:
@@ -313,9 +377,13 @@ def _microbatches(inputs: torch.Tensor, labels: torch.Tensor) -> Iterator[tuple[
 
 
 def _trainer_inputs(parallel_dims: Any, layout: Layout, inputs: torch.Tensor, labels: torch.Tensor) -> tuple:
-    """The trainer's ``post_dataloading_process``: under full_dtensor, inputs and labels become DTensors."""
+    """The trainer's ``post_dataloading_process``: inputs and labels become DTensors, or get their SPMD types."""
     if layout.spmd_backend == "full_dtensor":
         from torchtitan.distributed import full_dtensor
 
         inputs, labels, _ = full_dtensor.parallelize_inputs(parallel_dims, inputs, labels, {})
+    elif layout.spmd_backend == "spmd_types":
+        from torchtitan.distributed.spmd_types import annotate_input_spmd_types
+
+        inputs, labels, _ = annotate_input_spmd_types(parallel_dims, inputs, labels, {})
     return inputs, labels

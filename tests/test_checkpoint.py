@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ppclip_func import ClipState, ClipStateful, adaptive_clip_grad_norm, init_clip_state
 from tests._cases import real_rank_test
+from tests._torchtitan import needs_torchtitan
 
 STEPS, STOP = 80, 40
 OPTS = dict(max_norm=None, warmup=10, skip_z=8.0)
@@ -171,6 +172,7 @@ def _torchtitan_manager(folder: str, clip: ClipStateful):
     )
 
 
+@needs_torchtitan
 def test_torchtitans_checkpoint_manager_saves_and_restores_the_state(tmp_path):
     full, _ = _steps(init_clip_state(), 0, STEPS)
 

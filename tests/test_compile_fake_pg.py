@@ -85,7 +85,7 @@ def _dtensor(local: torch.Tensor, mesh: DeviceMesh, placements: list, shape: tup
 class LayoutMeshes:
     """The sub-meshes the layouts live on, sliced once, as a trainer's parameters hold them.
 
-    The compiled clip is specialized to these objects (see the README): a
+    The compiled clip is specialized to these objects (see docs/compile.md): a
     DTensor grad keeps its parameter's mesh object from step to step.
     """
 

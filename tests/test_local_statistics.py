@@ -1,6 +1,6 @@
 """Local statistics: every leaf's norm is within 1e-6 of float64, whatever its size, layout and dtype.
 
-The promise (README, "Precision"): fp32, bf16 and fp16 gradients accumulate in
+The promise (docs/precision.md): fp32, bf16 and fp16 gradients accumulate in
 float32 at least, in short runs, so the norm of any mix of leaves stays within
 1e-6 relative of a float64 reference computed the obvious way (concatenate,
 widen, one ``vector_norm``); ``0``, ``inf`` and ``-inf`` are exact. The

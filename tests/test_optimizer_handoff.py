@@ -24,6 +24,7 @@ from ppclip_func import (
     clip_grad_norm_in_optimizer,
     init_clip_state,
 )
+from tests._torchtitan import needs_torchtitan
 from tests.test_compile_fake_pg import CaptureBackend, aten_ops
 
 FUSED = {
@@ -158,6 +159,7 @@ def test_a_list_of_optimizers_fused_and_not_is_handled_one_by_one():
         torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
 
 
+@needs_torchtitan
 def test_torchtitans_optimizers_container():
     """torchtitan's own OptimizersContainer: fused=True in each group, several optimizers behind one step()."""
     from torchtitan.components.optimizer.optimizer import OptimizersContainer, ParamGroupConfig

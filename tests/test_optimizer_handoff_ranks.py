@@ -24,7 +24,10 @@ from ppclip_func import clip_grad_norm_, clip_grad_norm_in_optimizer
 from tests._cases import real_rank_test
 from tests._collectives import CollectiveCounter, norm_bits
 from tests._gather import gather_objects
+from tests._torchtitan import needs_torchtitan
 from tests.test_compile_fake_pg import CaptureBackend, collectives
+
+pytestmark = needs_torchtitan  # every case runs torchtitan's OptimizersContainer
 
 
 def _stage_model(stage: int, dp_mesh) -> torch.nn.Module:

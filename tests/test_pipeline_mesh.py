@@ -110,7 +110,7 @@ def test_plain_tensors_with_pp_mesh_are_replicated_within_their_stage_only():
 
 
 def test_plain_tensors_without_pipeline_information_are_taken_for_data_parallel_replicas():
-    """The documented silent case (README, Failure modes): a plain tensor says nothing of its stage.
+    """The documented silent case (docs/failure-modes.md): a plain tensor says nothing of its stage.
 
     On the root mesh with no ``pp_mesh`` every rank is a replica of every
     other (DDP's layout, which looks the same), so each holds 1/8 of its

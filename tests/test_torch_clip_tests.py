@@ -8,11 +8,10 @@ semantics differ on purpose, a comment says so:
 
 * ``norm_type=0``: torch takes the 0-"norm" of the per-parameter norms (it
   counts parameters with a non-zero gradient), ours counts non-zero gradient
-  elements (README, "API"). Both are finite in every case here, which is all
+  elements (docs/api.md). Both are finite in every case here, which is all
   the non-finite test asks of them.
 * Negative finite ``norm_type`` (torch's ``-0.1``, ``-1``, ``-2``, ``-3.5``):
-  torch computes them; ours raises ``ValueError`` (README, "Failure
-  modes"); the test checks that instead.
+  torch computes them; ours raises ``ValueError`` (docs/failure-modes.md); the test checks that instead.
 * ``error_if_nonfinite=True`` is ``nonfinite="error"``, with our message.
 * The exhausted-generator warning says the same thing in our words.
 * ``foreach``: ours has one implementation; each case checks ours against

@@ -46,7 +46,9 @@ from tests._cases import real_rank_test
 from tests._collectives import CollectiveCounter
 from tests._gather import model_gradient
 from tests._reference import reference_coefficient, reference_norm
-from tests._torchtitan import TORCHTITAN_VERSION, Layout, Trained, train_step
+from tests._torchtitan import TORCHTITAN_VERSION, Layout, Trained, needs_torchtitan, train_step
+
+pytestmark = needs_torchtitan
 
 WORLD = 8
 NORM_TYPES = (2.0, 1.0, math.inf)
@@ -65,6 +67,12 @@ LAYOUTS = {
     "pp2_fsdp2_tp2_ep4": Layout("qwen3_moe", pp=2, dp_shard=2, tp=2, ep=4),
     "hsdp2x4_ep2": Layout("qwen3_moe", dp_replicate=2, dp_shard=4, ep=2),
     "pp2_fsdp2_tp2_partial_dtensor": Layout("llama3", pp=2, dp_shard=2, tp=2, spmd_backend="partial_dtensor"),
+    # torchtitan's default backend; torch >= 2.14 (skipped on 2.13, saying why: Layout.skip_reason).
+    "pp2_fsdp2_tp2_spmd_types": Layout("llama3", pp=2, dp_shard=2, tp=2, spmd_backend="spmd_types"),
+    "pp2_hsdp2x2_spmd_types": Layout("llama3", pp=2, dp_replicate=2, dp_shard=2, spmd_backend="spmd_types"),
+    "pp2_fsdp4_ep2_spmd_types": Layout("qwen3_moe", pp=2, dp_shard=4, ep=2, spmd_backend="spmd_types"),
+    "pp2_fsdp2_tp2_ep4_spmd_types": Layout("qwen3_moe", pp=2, dp_shard=2, tp=2, ep=4, spmd_backend="spmd_types"),
+    "hsdp2x4_ep2_spmd_types": Layout("qwen3_moe", dp_replicate=2, dp_shard=4, ep=2, spmd_backend="spmd_types"),
 }
 
 # The meshes each layout's gradients live on (names of their dims): the layouts are what they claim to be.
@@ -75,11 +83,16 @@ GRAD_MESHES = {
     "pp2_fsdp2_tp2_ep4": {("dp_shard", "tp"), ("efsdp", "ep")},
     "hsdp2x4_ep2": {("dp_replicate", "dp_shard"), ("dp_replicate", "efsdp", "ep")},
     "pp2_fsdp2_tp2_partial_dtensor": {("fsdp", "tp")},
+    "pp2_fsdp2_tp2_spmd_types": {("dp_shard", "tp")},
+    "pp2_hsdp2x2_spmd_types": {("dp_replicate", "dp_shard")},
+    "pp2_fsdp4_ep2_spmd_types": {("dp_shard",), ("efsdp", "ep")},
+    "pp2_fsdp2_tp2_ep4_spmd_types": {("dp_shard", "tp"), ("efsdp", "ep")},
+    "hsdp2x4_ep2_spmd_types": {("dp_replicate", "dp_shard"), ("dp_replicate", "efsdp", "ep")},
 }
 
 
 def test_torchtitan_is_installed() -> None:
-    """torchtitan is a pinned test dependency: without it these tests fail, they do not skip."""
+    """torchtitan is a pinned test dependency on Python >= 3.11: without it these tests fail, they do not skip."""
     try:
         version = importlib.metadata.version("torchtitan")
     except importlib.metadata.PackageNotFoundError:
@@ -241,7 +254,7 @@ def world_mesh(built: Built, checks: Checks) -> None:
     assert world.mesh_dim_names == ("world",) and (pp_mesh is not None) == (built.parallel_dims.pp > 1)
     if pp_mesh is not None:
         # Which ranks hold which stage is not in a 1-D mesh: refused on every rank (each joins the
-        # one collective first, so that no peer is left waiting: README, "Failure modes").
+        # one collective first, so that no peer is left waiting: docs/failure-modes.md).
         with CollectiveCounter() as c, pytest.raises(ValueError, match="pp_mesh"):
             global_grad_norm(built.grads(), world, 2.0)
         checks.count("refused", c, expected=None)
@@ -325,6 +338,11 @@ def _case(layout: str, part: Callable[[Built, Checks], None]) -> Callable[[int, 
 
 
 CASES = [_case(layout, part) for layout in LAYOUTS for part in PARTS]
+SKIP = {
+    case.__name__: reason
+    for case in CASES
+    if (reason := LAYOUTS[case.__name__.split("__")[0]].skip_reason()) is not None
+}
 
 # The first case builds torchtitan's meshes and model on 8 ranks of 2 busy cores: gloo waits up to 2 minutes.
-test_on_real_ranks = real_rank_test(CASES, WORLD, case_timeout=120.0)
+test_on_real_ranks = real_rank_test(CASES, WORLD, case_timeout=120.0, skip=SKIP)
