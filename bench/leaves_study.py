@@ -63,7 +63,8 @@ VARIANTS = (
 )
 
 
-def _dtensor_params(grads: list[torch.Tensor], mesh) -> list[torch.nn.Parameter]:
+def dtensor_params(grads: list[torch.Tensor], mesh) -> list[torch.nn.Parameter]:
+    """Parameters whose data and grad are ``Shard(0)`` DTensors on ``mesh``, the grads copies of ``grads``."""
     params = []
     for g in grads:
         p = torch.nn.Parameter(DTensor.from_local(torch.empty_like(g), mesh, [Shard(0)], run_check=False))
@@ -75,7 +76,7 @@ def _dtensor_params(grads: list[torch.Tensor], mesh) -> list[torch.nn.Parameter]
 def _point(n_leaves: int, leaf_size: int, mesh, backend: str | None, runs: int) -> dict:
     grads = make_grads([(leaf_size,)] * n_leaves, torch.float32)
     params = make_params(grads)
-    dparams = _dtensor_params(grads, mesh)
+    dparams = dtensor_params(grads, mesh)
 
     def torch_clip(ps):
         return torch.nn.utils.clip_grad_norm_(ps, 1.0, foreach=True)

@@ -42,8 +42,7 @@ from collections.abc import Callable
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.distributed.tensor import DTensor
 
 import ppclip_func._local as local
 from bench._dist import single_rank_group
@@ -51,7 +50,9 @@ from bench._report import RESULTS, save_figure, write_result
 from bench._shapes import make_grads, make_params
 from bench._timing import cpu_seconds, interleaved, machine
 from bench.compile_study import no_compile_caches
+from bench.leaves_study import dtensor_params
 from ppclip_func import clip_grad_norm_, select_update
+from tests._collectives import OpCounter
 
 NAME = "sweep"
 TOTAL = 16 * 2**20
@@ -116,12 +117,7 @@ def _copy(grads: list[torch.Tensor], dtensor_mesh=None) -> list[torch.nn.Paramet
     """Parameters carrying fresh copies of ``grads`` (each variant clips its own)."""
     if dtensor_mesh is None:
         return make_params([g.clone() for g in grads])
-    params = []
-    for g in grads:
-        p = torch.nn.Parameter(DTensor.from_local(torch.empty_like(g), dtensor_mesh, [Shard(0)], run_check=False))
-        p.grad = DTensor.from_local(g.clone(), dtensor_mesh, [Shard(0)], run_check=False)
-        params.append(p)
-    return params
+    return dtensor_params(grads, dtensor_mesh)
 
 
 def _error(norm: torch.Tensor, ref: float) -> float:
@@ -209,16 +205,6 @@ def _synced(fn: Callable[[], object], device: str) -> Callable[[], object]:
     return call
 
 
-class _CountOps(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += not func.is_view
-        return func(*args, **(kwargs or {}))
-
-
 def host_ops(counts: tuple[int, ...] = (1000, 10_000)) -> dict[str, int]:
     """Ops one eager clip dispatches on the accelerator branch (forced onto the CPU), by leaf count."""
     before = local.BLOCKWISE_FOREACH
@@ -227,12 +213,11 @@ def host_ops(counts: tuple[int, ...] = (1000, 10_000)) -> dict[str, int]:
         out = {}
         for n in counts:
             params = make_params(make_grads([(64,)] * n, torch.float32))
-            with _CountOps() as ops:
+            with OpCounter() as ours:
                 ours_clip(params)
-            torch_ops = _CountOps()
-            with torch_ops:
+            with OpCounter() as theirs:
                 torch_clip(make_params(make_grads([(64,)] * n, torch.float32)))
-            out[str(n)] = {"ours": ops.n, "torch": torch_ops.n}
+            out[str(n)] = {"ours": ours.n, "torch": theirs.n}
         return out
     finally:
         local.BLOCKWISE_FOREACH = before

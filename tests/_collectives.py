@@ -1,4 +1,4 @@
-"""Count the collectives a piece of code issues, at the dispatcher."""
+"""Count the collectives (and the ops) a piece of code issues, at the dispatcher."""
 
 from __future__ import annotations
 
@@ -48,3 +48,19 @@ def norm_bits(t: torch.Tensor) -> int:
     """The raw bits of a 0-dim float tensor, for bitwise comparison across ranks."""
     t = t.detach().cpu()
     return int(t.view(torch.int64 if t.dtype == torch.float64 else torch.int32))
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the ops dispatched inside the ``with`` block that read or write data.
+
+    Views are not counted: they read nothing, on any device. On an
+    accelerator every counted op is host work (a kernel launch).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += not func.is_view
+        return func(*args, **(kwargs or {}))

@@ -29,6 +29,7 @@ import torch
 import ppclip_func._local as local
 from ppclip_func import clip_grad_norm_, global_grad_norm
 from ppclip_func._local import BLOCK
+from tests._collectives import OpCounter
 from tests._reference import assert_close_rel, reference_norm
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -149,19 +150,9 @@ def test_many_leaves_cost_at_most_one_op_each():
     foreach runs one norm per leaf inside); bf16 leaves are packed, a few ops per block of 2^19
     elements (a cat in bf16, the conversion, the row norms). Views (free: no data is read) are not
     counted."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class CountOps(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n += not func.is_view
-            return func(*args, **(kwargs or {}))
 
     def ops(leaves: list[torch.Tensor]) -> int:
-        with CountOps() as mode:
+        with OpCounter() as mode:
             global_grad_norm(leaves, None)
         return mode.n
 

@@ -19,11 +19,11 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import ppclip_func._local as local
 from ppclip_func import clip_grad_norm_, global_grad_norm
 from ppclip_func._norms import norm_kind
+from tests._collectives import OpCounter
 from tests._reference import assert_close_rel, reference_norm
 
 
@@ -110,18 +110,6 @@ def test_compiled_fp32_leaves_holding_bf16_values_are_within_1e6_of_float64(size
     assert_close_rel(float(got), reference_norm(leaves, 2.0), 1e-6)
 
 
-class CountOps(TorchDispatchMode):
-    """Counts the ops that read or write data (views are free on any device)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += not func.is_view
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.fixture
 def blockwise_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """Runs the accelerator branch on this CPU, as if its foreach norm summed in blocks."""
@@ -147,7 +135,7 @@ def test_the_blockwise_branch_dispatches_a_few_ops_per_dtype_group_however_many_
     for n_leaves in (100, 10_000):
         params = _params(n_leaves, dtypes)
         want = reference_norm([p.grad for p in params], norm_type)
-        with CountOps() as ops:
+        with OpCounter() as ops:
             got = clip_grad_norm_(params, None, max_norm=1e30, norm_type=norm_type)
         counts[n_leaves] = ops.n
         assert_close_rel(float(got), want, 1e-6)
