@@ -18,6 +18,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from ._agree import Disagreement, check_agree
 from ._layout import World, count_copies, pipeline_stages, resolve_world
 from ._local import STAT_DTYPE, leaf_statistics, local_statistics
 from ._norms import ABSENT, HAS_ELEMENT, HAS_LEAF, NormKind
@@ -81,6 +82,8 @@ def measure(
     try:
         leaves = flatten_grads(read_grads(), what)
         world, stats, labels = _local_part(leaves, mesh, kind, opts)
+    except Disagreement:
+        raise  # every rank raised it alike: no rank is in the collective
     except Exception:
         release_peers(mesh, given, kind, opts.pp_dim, opts.pp_mesh, _n_entries(opts))
         raise
@@ -99,6 +102,22 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     of ``p=1``, ``0``) is still the collective's ``AsyncCollectiveTensor``; waiting for it costs
     nothing here, as the decode has read the vector already. (Traced, there is no such wrapper.)"""
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+def _static_options(kind: NormKind, opts: NormOptions, labels: list[str]) -> dict[str, Any]:
+    """What every rank must pass alike, by option (checked once per configuration by ``_agree``)."""
+    params = opts.params.names if isinstance(opts.params, ParamIndex) else None
+    return {
+        "the number of group labels": len(labels),
+        "groups": opts.groups,
+        "tied": opts.tied,
+        "norm_type": kind.p,
+        "partial": opts.partial,
+        "overflow_safe": opts.overflow_safe,
+        "param_norms": params,
+        "pp_dim": opts.pp_dim,
+        "the reduced vector's length": _n_entries(opts),
+    }
 
 
 def _n_entries(opts: NormOptions) -> int:
@@ -133,6 +152,7 @@ def _local_part(
                 shards[i] = tensors[i].to_local()
     leaf_meshes = [t.device_mesh for t in tensors if isinstance(t, DTensor)] if leaves.has_dtensor else []
     world = resolve_world(mesh, stages, leaf_meshes)
+    check_agree(world.group_name, _static_options(kind, opts, labels))
     tied_n = tied_stages(names, opts.tied) if names is not None else None
     if not leaf_meshes and tied_n is None:
         # Plain, untied tensors: each is held by every rank of its stage (no per-leaf call on 10^4 leaves).
