@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from demo.harness import run_ranks
-from ppclip_func import clip_grad_norm_
+from ppclip_func import clip_grad_norm_, global_grad_norm
 
 MAX_NORM = 0.1
 
@@ -68,6 +68,14 @@ def _worker(rank: int, world_size: int) -> dict:
     # The group is still usable: an agreeing clip works.
     total = clip_grad_norm_(params, mesh, MAX_NORM)
     out["after"] = bool(torch.isfinite(total))
+    # The README's fix: groups from the whole model's names on every rank give each stage's true norm.
+    whole = [f"s{s}.{k}" for s in range(world_size) for k in ("weight", "bias")]
+    grads = {n: p.grad for n, p in stage.named_parameters()}
+    _, per = global_grad_norm(grads, mesh, groups={n: n for n in whole})
+    gathered: list = [None] * world_size
+    dist.all_gather_object(gathered, {n: float(g.norm()) for n, g in grads.items()})
+    true = {n: v for g in gathered for n, v in g.items()}
+    out["fix"] = all(abs(float(per[n]) - true[n]) <= 1e-6 * true[n] for n in whole)
     dist.barrier()
     return out
 
@@ -76,5 +84,6 @@ def test_disagreeing_ranks_raise_on_every_rank_and_leave_grads_untouched():
     results = run_ranks(_worker, 2, timeout=240, pg_timeout=60)
     for rank, r in enumerate(results):
         assert r.pop("after"), rank
+        assert r.pop("fix"), rank
         bad = {k: v for k, v in r.items() if v != ("ok", True)}
         assert not bad, f"rank {rank}: {bad}"
