@@ -18,7 +18,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ._agree import Disagreement, check_agree
+from ._agree import check_agree
 from ._layout import World, count_copies, pipeline_stages, resolve_world
 from ._local import STAT_DTYPE, leaf_statistics, local_statistics
 from ._norms import ABSENT, HAS_ELEMENT, HAS_LEAF, NormKind
@@ -79,11 +79,11 @@ def measure(
     statistics (:func:`release_peers`), then raises. Its peers never wait
     for it; they get a NaN norm.
     """
+    # First, before anything that can fail on one rank only: all ranks agree on the options (once per config).
+    check_agree(_mesh_group(mesh, opts), _static_options(kind, opts))
     try:
         leaves = flatten_grads(read_grads(), what)
         world, stats, labels = _local_part(leaves, mesh, kind, opts)
-    except Disagreement:
-        raise  # every rank raised it alike: no rank is in the collective
     except Exception:
         release_peers(mesh, given, kind, opts.pp_dim, opts.pp_mesh, _n_entries(opts))
         raise
@@ -104,13 +104,26 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
-def _static_options(kind: NormKind, opts: NormOptions, labels: list[str]) -> dict[str, Any]:
-    """What every rank must pass alike, by option (checked once per configuration by ``_agree``)."""
+def _mesh_group(mesh: Any, opts: NormOptions) -> str | None:
+    """The world group's name from the arguments alone, or ``None`` (no mesh, or it cannot be resolved:
+    then the clip itself raises, or, with ``mesh=None``, the leaves name the world and no check is made)."""
+    if not isinstance(mesh, DeviceMesh):
+        return None
+    try:
+        return resolve_world(mesh, pipeline_stages(mesh, opts.pp_dim, opts.pp_mesh), []).group_name
+    except Exception:
+        return None
+
+
+def _static_options(kind: NormKind, opts: NormOptions) -> dict[str, Any]:
+    """What every rank must pass alike, by option (checked once per configuration by ``_agree``).
+
+    Not ``tied``: each stage declares the tied leaves it holds, so it legitimately differs.
+    """
     params = opts.params.names if isinstance(opts.params, ParamIndex) else None
     return {
-        "the number of group labels": len(labels),
+        "the number of group labels": len(opts.groups) if isinstance(opts.groups, dict) else None,
         "groups": opts.groups,
-        "tied": opts.tied,
         "norm_type": kind.p,
         "partial": opts.partial,
         "overflow_safe": opts.overflow_safe,
@@ -152,7 +165,6 @@ def _local_part(
                 shards[i] = tensors[i].to_local()
     leaf_meshes = [t.device_mesh for t in tensors if isinstance(t, DTensor)] if leaves.has_dtensor else []
     world = resolve_world(mesh, stages, leaf_meshes)
-    check_agree(world.group_name, _static_options(kind, opts, labels))
     tied_n = tied_stages(names, opts.tied) if names is not None else None
     if not leaf_meshes and tied_n is None:
         # Plain, untied tensors: each is held by every rank of its stage (no per-leaf call on 10^4 leaves).

@@ -32,7 +32,6 @@ def _cases(rank: int, stage: torch.nn.Module) -> dict:
     return {
         "groups": dict(groups=own),
         "norm_type": dict(norm_type=2.0 if rank == 0 else float("inf")),
-        "tied": dict(tied={f"s{rank}.bias": 2} if rank == 1 else None),
         "the number of group labels": dict(groups={"a": "*weight"} if rank == 0 else {"a": "*weight", "b": "*bias"}),
         "overflow_safe": dict(overflow_safe=rank == 1),
     }
