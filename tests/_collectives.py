@@ -48,3 +48,14 @@ def norm_bits(t: torch.Tensor) -> int:
     """The raw bits of a 0-dim float tensor, for bitwise comparison across ranks."""
     t = t.detach().cpu()
     return int(t.view(torch.int64 if t.dtype == torch.float64 else torch.int32))
+
+
+AGREE_GATHER = "c10d._allgather_base_"
+
+
+def steady_count(counter: CollectiveCounter) -> int:
+    """Collectives counted, less the one-time agreement gather (``_agree``: the first sight of a
+    configuration on a world group); at most one such gather is allowed."""
+    gathers = counter.ops.count(AGREE_GATHER)
+    assert gathers <= 1, counter.ops
+    return counter.count - gathers
