@@ -92,8 +92,9 @@ PACKED = 1 << 15
 # tree (CUDA's multi-tensor norm kernel: blocks of 65536 elements, a few dozen per thread), so a whole
 # leaf of any size is accurate to float32 rounding. Tests add "cpu" to run this branch on a CPU.
 BLOCKWISE_FOREACH = frozenset({"cuda"})
-# Compiled on CPU, dense fp32 leaves of PACKED to this size are reduced by inductor's own row reductions
-# (see _compiled_cpu_statistic); every other leaf by the eager code, as one op.
+# Compiled on CPU, dense fp32 leaves of PACKED to this size (bf16/fp16 ones of any size above PACKED) are
+# reduced by inductor's own row reductions (see _compiled_cpu_statistic); every other leaf by the eager
+# code, as one op.
 TRACED_ROWS = 1 << 18
 # Leaves up to this size (contiguous ones; any up to ROW) are packed into the scratch by one cat.
 PACK = 1 << 15
@@ -252,19 +253,24 @@ def _compiled_cpu_statistic(tensors: list[torch.Tensor], kind: NormKind, overflo
     """A CPU bucket in a compiled graph: the eager code as one op, the FSDP-shard band as inductor's rows.
 
     Dense leaves in their own accumulation dtype of ``PACKED`` to ``TRACED_ROWS``
-    elements take :func:`_traced`'s row-wise reduction, which inductor compiles
-    into the step: eager code would pay a dispatched op per leaf there, about
-    as long as reading a 56 K-element leaf (300 such leaves: 1.5x torch's
-    compiled clip as one op, 1.0x as rows). Every other leaf goes to the one
-    op (:func:`_cpu_statistic`): a reduction per leaf costs inductor about
-    50 ms of compile time, and for small leaves (packed), large ones (their
-    op is short beside the read) and low-precision ones (converted through
-    the scratch buffer) the eager code is as fast.
+    elements, and dense bf16/fp16 leaves of more than ``PACKED``, take
+    :func:`_traced`'s row-wise reduction, which inductor compiles into the
+    step: eager code would pay a dispatched op per fp32 leaf there, about as
+    long as reading a 56 K-element leaf (300 such leaves: 1.5x torch's
+    compiled clip as one op, 1.0x as rows), and converts a bf16 leaf through
+    the scratch buffer where inductor converts in registers. Every other
+    leaf goes to the one op (:func:`_cpu_statistic`): a reduction per leaf
+    costs inductor about 50 ms of compile time, and for small leaves
+    (packed) and large fp32 ones (their op is short beside the read) the
+    eager code is as fast.
     """
     own = (torch.float64,) if overflow_safe else (torch.float32, torch.float64)
     rows, rest = [], []
     for t in tensors:
-        banded = kind.op == "sum" and t.dtype in own and PACKED < t.numel() <= TRACED_ROWS and t.is_contiguous()
+        n = t.numel()
+        # Low-precision leaves at any size: inductor converts them in registers, the eager code through a
+        # buffer (100 bf16 leaves of 168 K: 0.64x torch's compiled clip as rows, 1.7x as the op).
+        banded = kind.op == "sum" and n > PACKED and (n <= TRACED_ROWS or t.dtype not in own) and t.is_contiguous()
         (rows if banded else rest).append(t)
     parts = [_combine(*_traced(rows, kind, overflow_safe), kind)] if rows else []
     if rest:
