@@ -345,13 +345,6 @@ def _row_width(n: int) -> int:
     return 0
 
 
-@torch.compiler.assume_constant_result
-def _traced_row_width(n: int) -> int:
-    """:func:`_row_width` while tracing: dynamo runs it as it is and keeps the result (an int of the
-    static shape), instead of tracing a loop of up to 1,800 steps per leaf into the compile time."""
-    return _row_width(n)
-
-
 def _dense_view(t: torch.Tensor) -> torch.Tensor:
     """Returns ``t`` with its dims permuted into memory order (outermost first).
 
@@ -638,8 +631,9 @@ def _traced(
     small ones, and every leaf on a ``BLOCKWISE_FOREACH`` device) share one
     call per dtype, which stays one call to torch's kernel under inductor.
     Every other dense leaf is viewed whole as rows of ``ROW // 8`` to ``ROW``
-    elements (:func:`_row_width`; else rows of ``ROW`` and a last partial
-    one) and reduced row-wise by one ``vector_norm``: no copy, and one
+    elements (:func:`_row_width`; traced, or if none divides it, rows of
+    ``ROW`` and a last partial one) and reduced row-wise by one
+    ``vector_norm``: no copy, and one
     reduction per leaf that inductor generates itself, with accumulations
     as short as the eager path's. (Cutting leaves into foreach pieces gave
     thousands of 0-dim outputs, each a copy in the kernel and a line of
@@ -657,7 +651,9 @@ def _traced(
             continue
         t = _dense_view(t)
         if t.is_contiguous() and n >= ROW:
-            width = (_traced_row_width(n) if torch.compiler.is_compiling() else _row_width(n)) or ROW
+            # Traced, rows of ROW and a last partial row: the size may be symbolic (a DTensor's local
+            # shard), and dynamo would trace _row_width's loop of up to 1,800 steps into the compile time.
+            width = ROW if torch.compiler.is_compiling() else _row_width(n) or ROW
             flat = t.view(-1)
             rows = n // width
             norms.append(torch.linalg.vector_norm(flat[: rows * width].view(rows, width), kind.p, dim=1, dtype=acc))

@@ -20,8 +20,8 @@ from torch.optim.adamw import adamw
 
 from ppclip_func import adaptive_clip_grad_norm_, clip_grad_norm_, init_clip_state, skip_update_
 
-# A leaf of each compiled path: two of the shard band (row-wise norms in the graph, 2048 and 2000 wide), two for
-# the one op (whole in its foreach call); three times.
+# A leaf of each compiled path: two of the shard band (row-wise norms in the graph: rows that tile it; rows and a
+# partial row), two for the one op (whole in its foreach call); three times.
 SIZES = [1 << 17, 40000, 4096, 256] * 3
 
 
