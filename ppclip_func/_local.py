@@ -48,8 +48,9 @@ than one thread):
 Under ``torch.compile`` on CPU, each bucket is one custom op
 (``ppclip_func::cpu_statistic``) that runs this same eager code at step
 time, so inductor compiles no reduction per leaf, except for dense fp32
-leaves of ``PACKED`` to ``TRACED_ROWS`` elements (the FSDP-shard band),
-which :func:`_traced` reduces as rows inside the graph. On a device whose
+leaves of ``PACKED`` to ``TRACED_ROWS`` elements (the FSDP-shard band) and
+dense bf16/fp16 leaves above ``PACKED``, which :func:`_traced` reduces as
+rows inside the graph. On a device whose
 ``_foreach_norm`` kernel sums each tensor in blocks of partial sums
 (``BLOCKWISE_FOREACH``: CUDA), every leaf goes whole into one
 ``_foreach_norm`` call per dtype, eager or compiled: a clip dispatches a
@@ -196,9 +197,7 @@ def leaf_statistics(tensors: list[torch.Tensor], kind: NormKind, *, overflow_saf
     order: list[int] = []
     parts: list[torch.Tensor] = []
     for dtype, idx in batched.items():
-        acc = _acc_dtype(dtype, overflow_safe) if kind.op == "sum" else dtype
-        norms = torch._foreach_norm([tensors[i] for i in idx], kind.p, dtype=None if acc == dtype else acc)
-        parts.append(kind.power(torch.stack(norms).to(STAT_DTYPE)))
+        parts.append(kind.power(_foreach_norms([tensors[i] for i in idx], dtype, kind, overflow_safe).to(STAT_DTYPE)))
         order.extend(idx)
     if alone:
         parts.append(torch.stack([bucket_statistic([tensors[i]], kind, overflow_safe=overflow_safe) for i in alone]))
@@ -264,13 +263,13 @@ def _compiled_cpu_statistic(tensors: list[torch.Tensor], kind: NormKind, overflo
     (packed) and large fp32 ones (their op is short beside the read) the
     eager code is as fast.
     """
-    own = (torch.float64,) if overflow_safe else (torch.float32, torch.float64)
     rows, rest = [], []
     for t in tensors:
         n = t.numel()
         # Low-precision leaves at any size: inductor converts them in registers, the eager code through a
         # buffer (100 bf16 leaves of 168 K: 0.64x torch's compiled clip as rows, 1.7x as the op).
-        banded = kind.op == "sum" and n > PACKED and (n <= TRACED_ROWS or t.dtype not in own) and t.is_contiguous()
+        converted = _acc_dtype(t.dtype, overflow_safe) != t.dtype
+        banded = kind.op == "sum" and n > PACKED and (n <= TRACED_ROWS or converted) and t.is_contiguous()
         (rows if banded else rest).append(t)
     parts = [_combine(*_traced(rows, kind, overflow_safe), kind)] if rows else []
     if rest:
@@ -324,6 +323,15 @@ def _flat64(pieces: list[torch.Tensor]) -> torch.Tensor:
             vectors.append(torch.stack(scalars))
         parts.append((vectors[0] if len(vectors) == 1 else torch.cat(vectors)).to(STAT_DTYPE))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _foreach_norms(items: list[torch.Tensor], dtype: torch.dtype, kind: NormKind, overflow_safe: bool) -> torch.Tensor:
+    """The norms of whole leaves of one ``dtype``, as a vector, from one ``_foreach_norm`` call.
+
+    Max and min are exact in the grads' own dtype; sums and counts need the accumulation dtype.
+    """
+    acc = _acc_dtype(dtype, overflow_safe) if kind.op == "sum" else dtype
+    return torch.stack(torch._foreach_norm(items, kind.p, dtype=None if acc == dtype else acc))
 
 
 def _acc_dtype(dtype: torch.dtype, overflow_safe: bool) -> torch.dtype:
@@ -395,11 +403,8 @@ class _EagerCpu:
         for stream in self.streams.values():
             stream.flush()
         for dtype, items in whole.items():
-            if not items:
-                continue
-            # Max and min are exact in the grads' own dtype; sums and counts need the accumulation dtype.
-            acc = _acc_dtype(dtype, safe) if kind.op == "sum" else dtype
-            self.norms.append(torch.stack(torch._foreach_norm(items, kind.p, dtype=None if acc == dtype else acc)))
+            if items:
+                self.norms.append(_foreach_norms(items, dtype, kind, safe))
         return self.norms, self.stats
 
     def _sums_of_squares(self, tensors: list[torch.Tensor], whole: dict[torch.dtype, list[torch.Tensor]]) -> None:
@@ -662,8 +667,5 @@ def _traced(
                 continue
         dims = tuple(range(1, t.dim())) if t.dim() > 1 else None
         norms.append(torch.linalg.vector_norm(t, kind.p, dim=dims, dtype=acc))
-    for dtype, items in whole.items():
-        # Max and min are exact in the grads' own dtype; sums and counts need the accumulation dtype.
-        acc = _acc_dtype(dtype, overflow_safe) if kind.op == "sum" else dtype
-        norms.append(torch.stack(torch._foreach_norm(items, kind.p, dtype=None if acc == dtype else acc)))
+    norms.extend(_foreach_norms(items, dtype, kind, overflow_safe) for dtype, items in whole.items())
     return norms, []
