@@ -53,6 +53,7 @@ from bench.compile_study import no_compile_caches
 from bench.leaves_study import dtensor_params
 from ppclip_func import clip_grad_norm_, select_update
 from tests._collectives import OpCounter
+from tests._reference import reference_norm
 
 NAME = "sweep"
 TOTAL = 16 * 2**20
@@ -109,10 +110,6 @@ def ours_step(params, m, v):
     return select_update(~torch.isfinite(total), new, old), total
 
 
-def _reference(grads: list[torch.Tensor]) -> float:
-    return float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads)))
-
-
 def _copy(grads: list[torch.Tensor], dtensor_mesh=None) -> list[torch.nn.Parameter]:
     """Parameters carrying fresh copies of ``grads`` (each variant clips its own)."""
     if dtensor_mesh is None:
@@ -130,7 +127,7 @@ def point(
 ) -> dict:
     """One point: eager and compiled clips (or whole steps), torch's and ours, interleaved."""
     grads = make_grads([(leaf_size,)] * leaves, dtype, device=device)
-    ref = _reference(grads)
+    ref = reference_norm(grads, 2.0)
     variants: dict[str, Callable[[], object]] = {}
     errors: dict[str, float] = {}
     compile_s: dict[str, float] = {}
