@@ -18,6 +18,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from ._agree import check_agree
 from ._layout import World, count_copies, pipeline_stages, resolve_world
 from ._local import STAT_DTYPE, leaf_statistics, local_statistics
 from ._norms import ABSENT, HAS_ELEMENT, HAS_LEAF, NormKind
@@ -78,6 +79,8 @@ def measure(
     statistics (:func:`release_peers`), then raises. Its peers never wait
     for it; they get a NaN norm.
     """
+    # First, before anything that can fail on one rank only: all ranks agree on the options (once per config).
+    check_agree(_mesh_group(mesh, opts), _static_options(kind, opts))
     try:
         leaves = flatten_grads(read_grads(), what)
         world, stats, labels = _local_part(leaves, mesh, kind, opts)
@@ -99,6 +102,35 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     of ``p=1``, ``0``) is still the collective's ``AsyncCollectiveTensor``; waiting for it costs
     nothing here, as the decode has read the vector already. (Traced, there is no such wrapper.)"""
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+def _mesh_group(mesh: Any, opts: NormOptions) -> str | None:
+    """The world group's name from the arguments alone, or ``None`` (no mesh, or it cannot be resolved:
+    then the clip itself raises, or, with ``mesh=None``, the leaves name the world and no check is made)."""
+    if not isinstance(mesh, DeviceMesh):
+        return None
+    try:
+        return resolve_world(mesh, pipeline_stages(mesh, opts.pp_dim, opts.pp_mesh), []).group_name
+    except Exception:
+        return None
+
+
+def _static_options(kind: NormKind, opts: NormOptions) -> dict[str, Any]:
+    """What every rank must pass alike, by option (checked once per configuration by ``_agree``).
+
+    Not ``tied``: each stage declares the tied leaves it holds, so it legitimately differs.
+    """
+    params = opts.params.names if isinstance(opts.params, ParamIndex) else None
+    return {
+        "the number of group labels": len(opts.groups) if isinstance(opts.groups, dict) else None,
+        "groups": opts.groups,
+        "norm_type": kind.p,
+        "partial": opts.partial,
+        "overflow_safe": opts.overflow_safe,
+        "param_norms": params,
+        "pp_dim": opts.pp_dim,
+        "the reduced vector's length": _n_entries(opts),
+    }
 
 
 def _n_entries(opts: NormOptions) -> int:

@@ -64,3 +64,14 @@ class OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.n += not func.is_view
         return func(*args, **(kwargs or {}))
+
+
+AGREE_GATHER = "c10d._allgather_base_"
+
+
+def steady_count(counter: CollectiveCounter) -> int:
+    """Collectives counted, less the one-time agreement gather (``_agree``: the first sight of a
+    configuration on a world group); at most one such gather is allowed."""
+    gathers = counter.ops.count(AGREE_GATHER)
+    assert gathers <= 1, counter.ops
+    return counter.count - gathers
