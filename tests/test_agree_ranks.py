@@ -55,7 +55,7 @@ def _worker(rank: int, world_size: int) -> dict:
             try:
                 fn(params)
                 got = "no error"
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 # Under torch.compile(fullgraph=True) dynamo wraps it; the ValueError is the cause.
                 while not isinstance(e, ValueError) and (e.__cause__ or e.__context__) is not None:
                     e = e.__cause__ or e.__context__

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from demo.harness import run_ranks
 from ppclip_func import clip_grad_norm, clip_grad_norm_
-from tests._collectives import CollectiveCounter, steady_count, norm_bits
+from tests._collectives import CollectiveCounter, norm_bits, steady_count
 from tests._reference import assert_close_rel, reference_coefficient, reference_norm
 
 NORM_TYPES = [2.0, 1.0, 3.5, math.inf, -math.inf, 0.0]

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 
 from demo.harness import run_ranks
 from ppclip_func import clip_grad_norm, clip_grad_norm_
-from tests._collectives import CollectiveCounter, steady_count, norm_bits
+from tests._collectives import CollectiveCounter, norm_bits, steady_count
 from tests._reference import assert_close_rel
 
 
