@@ -160,6 +160,9 @@ def _rank(rank: int, world: int, args: argparse.Namespace, cfg: ModelConfig, dat
         # Not part of the step: what torch alone reports on this stage, and (once) the collective counts.
         grads = [p.grad for p in params]
         if step == 0:
+            # The first sight of these options on this mesh also checks, once, that every rank passes the
+            # same ones (one small extra all-gather, never again): call once first, then count a step's.
+            global_grad_norm(grads, mesh, args.norm_type, partial="reduce")
             with CommDebugMode() as ours_comm:
                 global_grad_norm(grads, mesh, args.norm_type, partial="reduce")
             with CommDebugMode() as torch_comm:
@@ -192,7 +195,8 @@ def _rank(rank: int, world: int, args: argparse.Namespace, cfg: ModelConfig, dat
         logs.append(StepLog(float(stats[0]), norm, coef, seconds, stats[1:].tolist()))
         if step == 0:
             say(
-                f"collectives (CommDebugMode): ppclip_func {ours_comm.get_total_counts()} for the whole model; "
+                f"collectives (CommDebugMode): ppclip_func {ours_comm.get_total_counts()} for the whole model "
+                f"per step (its first call also checks once that all ranks pass the same options); "
                 f"torch get_total_norm().full_tensor() {torch_comm.get_total_counts()} for one stage",
                 flush=True,
             )
