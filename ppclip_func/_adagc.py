@@ -41,6 +41,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from ._agree import agreed
 from ._call import _check_clip_args, _grad_reader, _rewrap
 from ._exclude import check_exclude, included_params, without_excluded
 from ._measure import Measured, NormOptions, PpDim, measure
@@ -218,6 +219,9 @@ def _step(
     measured, counted = without_excluded(measured, norm_kind(p), groups, labels, excluded)
     leaves = measured.leaves
     coef, skip, new_state = adagc_update(measured.total, measured.per_param, state, rule)
+    if measured.agree is not None:  # states that differ: no gradient scaled, the step skipped (see _call._adapt)
+        coef = torch.where(measured.agree, coef, 1.0)
+        skip = skip | ~measured.agree
     params_in = included_params(index.names, groups, labels, excluded)
     if params_in is not None:  # excluded parameters: coefficient 1, gamma left as it was (static mask)
         mask = torch.tensor(params_in).to(coef.device)
@@ -319,8 +323,9 @@ def adagc_clip_grad_norm_(
     labels, excluded = check_exclude(groups, exclude)
     kind = norm_kind(norm_type)
     parameters, read_grads = _grad_reader(parameters, "adagc_clip_grad_norm_")
-    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, index, pp_mesh)
-    measured = measure(read_grads, parameters, "parameter grad", mesh, kind, opts)
+    agree = agreed(rule=rule, nonfinite=nonfinite, exclude=excluded)
+    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, index, pp_mesh, agree)
+    measured = measure(read_grads, parameters, "parameter grad", mesh, kind, opts, state)
     return _step(measured, index, state, rule, nonfinite, kind.p, (labels, excluded, groups), inplace=True)[1]
 
 
@@ -373,7 +378,8 @@ def adagc_clip_grad_norm(
     check_adagc_args(state, index, rule)
     labels, excluded = check_exclude(groups, exclude)
     kind = norm_kind(norm_type)
-    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, index, pp_mesh)
-    measured = measure(lambda: grads, grads, "gradient", mesh, kind, opts)
+    agree = agreed(rule=rule, nonfinite=nonfinite, exclude=excluded)
+    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, index, pp_mesh, agree)
+    measured = measure(lambda: grads, grads, "gradient", mesh, kind, opts, state)
     scaled, stats = _step(measured, index, state, rule, nonfinite, kind.p, (labels, excluded, groups), inplace=False)
     return measured.leaves.unflatten(_rewrap(measured.leaves, scaled)), stats

@@ -1,100 +1,351 @@
-"""Ranks that disagree on a static option: one clear error on every rank, never a wrong norm or a hang.
+"""Ranks that disagree: one clear error on every rank, never a wrong norm or a hang.
 
-Every option that shapes or interprets the reduced vector (the group labels and
-patterns, ``exclude``, ``tied``, ``norm_type``, ``partial``, ``overflow_safe``,
-the ``param_norms`` index, the pipeline dims) must be the same on every rank of
-the world. The first time a configuration is seen on a world group, each rank
-hashes each option to one int64 and all-gathers that fixed-size vector (one
-small extra collective, never again for that configuration: cached, as the
-pipeline-stage table is). Fixed size: ranks whose options differ, even in the
-number of groups, still join the same gather, so the check itself cannot hang.
-Every rank then sees the same table and raises the same :class:`Disagreement`,
-naming each option and the ranks that differ from rank 0, before the statistics
-collective and before any gradient is scaled. Under ``torch.compile`` the check
-runs at trace time (:func:`torch.compiler.assume_constant_result`).
+Every rank of the world must call the clip alike: the same options, and, for
+the adaptive clips, the same state. Two checks see to it, neither of which
+adds a collective to the steady state:
+
+* **Static options**, checked the first time a configuration is seen on a
+  world group (:func:`check_options`): each rank hashes each option to one
+  int64 and all-gathers a row of fixed size (so ranks that differ even in
+  the number of groups, or in the function they call, still join the same
+  gather and it cannot hang). Every rank then reads the same table and
+  raises the same :class:`Disagreement`, naming each option and the ranks
+  that differ, before the statistics collective and before any gradient is
+  scaled. The configuration is then remembered, as the pipeline-stage table
+  is: later calls compare it on the host and issue nothing. ``tied=`` is
+  per stage (a stage declares the tied leaves it holds): the ranks of one
+  stage must agree on it, and across stages the declarations must pair up
+  (a parameter tied to ``n`` stages is declared, with ``n``, on ``n`` of
+  them). Under ``torch.compile`` the check runs at trace time.
+* **Adaptive state**, checked every step inside the one collective
+  (:func:`state_entries`, :func:`states_agree`): each rank adds an integer
+  fingerprint ``f`` of the state's bits, and its square, to the reduced
+  vector. After a sum, ``sum(f) == W * f`` and ``sum(f**2) == W * f**2`` on
+  a rank hold only if every rank's ``f`` is that rank's (the squared
+  deviations from ``f`` sum to zero), so the ranks agree or all of them see
+  that they do not; a ``max``/``min`` reduction carries ``f`` and ``-f``.
+  Exact in float64 up to 2**21 ranks. Nothing is read on the host: a
+  disagreement stops the step with ``torch._assert_async`` and, where that
+  cannot raise at once (CUDA), makes the step a no-op (threshold ``inf``,
+  ``skip`` true), so no gradient is scaled by a decision the ranks do not
+  share.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ._layout import World
+from ._norms import NormKind
+
 __all__: list[str] = []
 
 FIX = (
-    "every rank must pass the same static options; for groups=, build the mapping from the whole model's "
-    "parameter names on every rank (e.g. groups={n: n for n in full_model_names}), not from this "
-    "pipeline stage's own named_parameters()"
+    "every rank must call the clip with the same options; for groups=, build the mapping from the whole "
+    "model's parameter names on every rank (e.g. groups={n: n for n in full_model_names}), not from this "
+    "pipeline stage's own named_parameters(); for tied=, each of the n stages holding a tied parameter "
+    "declares it with n"
+)
+STATE_FIX = (
+    "every rank must start from the same state (the init_*_state() function on every rank, or the same "
+    "checkpoint restored on every rank) and pass the state the previous step returned"
 )
 
-_SEEN: set[tuple[Any, ...]] = set()
+# The static check's row: which options were passed, the rank's pipeline stage, its tied= declarations
+# (hash, tally, count), then one hash per option, padded. Fixed size, whatever a rank passed.
+_MAX_OPTIONS = 24
+_HEAD = ("the options passed (which clip function)", "stage", "tied", "tied tally", "tied count")
+_ROW = len(_HEAD) + _MAX_OPTIONS
+# A tied declaration with n stages adds _TALLY // n: exact for n <= 16; the stages' sum is a multiple
+# of _TALLY when every tied parameter is declared on as many stages as it says.
+_TALLY = 720720  # lcm(1, ..., 16)
+
+# The state fingerprint: two digits, each a weighted sum of the state's 16-bit words modulo a prime.
+STATE_ENTRIES = 4
+_PRIME = 65521
+_WEIGHTS = ((7919, 1), (104729, 7))
+
+_REMEMBERED = 8  # configurations remembered per group and function, the latest ones
+_VERIFIED: dict[tuple, list[tuple]] = {}  # (group name, option names) -> the option values every rank agreed on
+_OWNER: list[object] = [None]  # the default process group _VERIFIED was filled under
 
 
 class Disagreement(ValueError):
-    """Ranks passed different static options; raised alike on every rank, before any collective of the clip."""
+    """Ranks passed different static options; raised alike on every rank, before any gradient is scaled."""
 
 
-def _hash(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
+class StateDisagreement(RuntimeError):
+    """Ranks passed different adaptive states; raised alike on every rank, before any gradient is scaled."""
 
 
-def check_agree(group_name: str | None, fields: dict[str, Any]) -> None:
-    """Raises :class:`Disagreement` on every rank of ``group_name`` if any rank's ``fields`` differ; once per config.
+def check_options(world: World, options: Mapping[str, Any], tied: Mapping[str, int] | None) -> None:
+    """Raises :class:`Disagreement` on every rank of ``world`` unless all ranks pass the same options.
 
-    ``fields`` maps each option's name to its value (plain Python: its
-    ``repr`` is hashed, on the host, at trace time under ``torch.compile``).
+    ``options`` maps each option's name to its value (plain Python; tensors
+    are not compared). Collective only the first time a configuration is
+    seen on the world's group; afterwards an equality test on the host.
     """
-    if group_name is None:
+    if world.group_name is None:
         return
+    names, values = tuple(options), (*options.values(), tied)
+    if len(names) > _MAX_OPTIONS:
+        raise AssertionError(f"_agree: {len(names)} options, room for {_MAX_OPTIONS}")
     if torch.compiler.is_compiling():
-        _check_at_trace_time(group_name, tuple(fields), tuple(fields.values()))
-    elif problem := _check(group_name, tuple(fields), tuple(fields.values())):
-        raise Disagreement(problem)
+        # The options are constants of the graph (dynamo guards on them): a new configuration retraces.
+        _check_at_trace_time(world.group_name, world.rank_stage, names, values)
+        return
+    _own_cache()
+    seen = _VERIFIED.setdefault((world.group_name, names), [])
+    if any(_same(values, v) for v in seen):
+        return
+    _check(world.group_name, world.rank_stage, names, values)
+    seen.append(_snapshot(values))
+    del seen[:-_REMEMBERED]
 
 
 @torch.compiler.assume_constant_result
-def _check_at_trace_time(group_name: str, names: tuple, values: tuple) -> bool:
+def _check_at_trace_time(group_name: str, rank_stage: dict, names: tuple, values: tuple) -> bool:
     # Dynamo runs this eagerly with the real arguments; the gather is made outside the fake mode.
-    # Raised here, torch.compile(fullgraph=True) raises it as the cause of its InternalTorchDynamoError
-    # (raised in the traced code, it would be an "Observed exception" Unsupported).
+    # Raised here, torch.compile(fullgraph=True) raises it as the cause of its InternalTorchDynamoError.
     with torch._subclasses.fake_tensor.unset_fake_temporarily():
-        problem = _check(group_name, names, values)
-    if problem:
-        raise Disagreement(problem)
+        _check(group_name, rank_stage, names, values)
     return True
 
 
-def _check(group_name: str, names: tuple[str, ...], values: tuple) -> str:
-    """Returns ``""`` if every rank's ``values`` hash alike (remembered), else the error's text (same on every rank)."""
-    hashes = tuple(_hash(repr(v)) for v in values)
-    world = dist.group.WORLD if dist.is_initialized() else None
-    key = (id(world), group_name, names, hashes)
-    if key in _SEEN:
-        return ""
-    from torch.distributed.distributed_c10d import _resolve_process_group
+def _check(group_name: str, rank_stage: dict[int, tuple[int, ...]], names: tuple[str, ...], values: tuple) -> None:
+    if not _moves_data(group_name):
+        return  # torch's fake process group (a test tool) gathers nothing: there is nothing to compare
+    *options, tied = values
+    decl = dict(tied) if isinstance(tied, Mapping) else {}
+    tally = sum(_TALLY // n for n in decl.values() if isinstance(n, int) and 1 <= n <= 16)
+    rank = dist.get_rank()
+    row = [_hash(names), _hash(rank_stage.get(rank)), _hash(tied), tally, len(decl)]
+    row += [_hash(v) for v in options] + [0] * (_MAX_OPTIONS - len(options))
+    table = _all_gather_rows(group_name, row)
+    if problems := _problems(table, names, dist.get_process_group_ranks(_group(group_name)), rank_stage):
+        raise Disagreement(f"ranks disagree on {'; '.join(problems)}: {FIX}")
 
-    group = _resolve_process_group(group_name)
+
+def _problems(
+    table: list[list[int]], names: tuple[str, ...], ranks: list[int], rank_stage: dict[int, tuple[int, ...]]
+) -> list[str]:
+    """What the gathered rows disagree on, worded alike on every rank (they all hold the same table)."""
+    problems = []
+    columns = (*_HEAD, *names)
+    for j, name in enumerate(columns):
+        if name in ("stage", "tied", "tied tally", "tied count"):
+            continue
+        odd = [r for r, row in zip(ranks, table) if row[j] != table[0][j]]
+        if odd:
+            problems.append(f"{name} ({_some(odd)} from rank {ranks[0]})")
+            if j == 0:
+                break  # different functions: their option columns do not line up
+    # tied=: alike within each stage; across stages, every declaration paired with its peers.
+    stages: dict[int, list[tuple[int, list[int]]]] = {}
+    for r, row in zip(ranks, table):
+        stages.setdefault(row[1], []).append((r, row))
+    for members in stages.values():
+        first_rank, first = members[0]
+        odd = [r for r, row in members if row[2] != first[2]]
+        if odd:
+            problems.append(f"tied ({_some(odd)} from rank {first_rank} of the same pipeline stage)")
+    if not problems:
+        firsts = [members[0] for members in stages.values()]
+        if sum(row[3] for _, row in firsts) % _TALLY:
+            declared = ", ".join(f"stage {rank_stage.get(r)}: {row[4]}" for r, row in firsts)
+            problems.append(
+                "tied (the declarations do not pair up across pipeline stages: a parameter tied to n stages "
+                f"must be declared, with n, on each of them; tied names declared per stage: {declared})"
+            )
+    return problems
+
+
+def _all_gather_rows(group_name: str, row: list[int]) -> list[list[int]]:
+    group = _group(group_name)
     size = dist.get_world_size(group)
-    mine = torch.tensor(hashes, dtype=torch.int64)
-    backend = str(dist.get_backend(group))
     device = torch.device("cpu")
-    if "nccl" in backend and torch.cuda.is_available():
+    if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
-    mine = mine.to(device)
-    # Filled with this rank's own hashes first: a backend that moves no data (the fake one) agrees.
+    mine = torch.tensor(row, dtype=torch.int64, device=device)
+    # Filled with this rank's own row first: a backend that moves no data (the fake one) agrees.
     table = mine.repeat(size)
     dist.all_gather_into_tensor(table, mine, group=group)
-    table = table.view(size, -1).cpu()
-    differ = (table != table[0]).any(dim=0)
-    if bool(differ.any()):
-        ranks = dist.get_process_group_ranks(group)
-        parts = []
-        for j in differ.nonzero().flatten().tolist():
-            odd = [ranks[r] for r in (table[:, j] != table[0, j]).nonzero().flatten().tolist()]
-            parts.append(f"{names[j]} (ranks {odd} differ from rank {ranks[0]})")
-        return f"ranks disagree on {', '.join(parts)}: {FIX}"
-    _SEEN.add(key)
-    return ""
+    return table.view(size, -1).tolist()
+
+
+def _group(group_name: str) -> dist.ProcessGroup:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
+def _own_cache() -> None:
+    """Forgets every verified configuration if the default process group is not the one they were seen under."""
+    group = dist.group.WORLD if dist.is_initialized() else None
+    if group is not _OWNER[0]:
+        _VERIFIED.clear()
+        _OWNER[0] = group
+
+
+def _some(ranks: list[int]) -> str:
+    """``rank 3 differs``, ``ranks [1, 2] differ``, ``ranks [1, 2, ...] (4095) differ``."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]} differs"
+    more = f", ...] ({len(ranks)})" if len(ranks) > 8 else "]"
+    return f"ranks [{', '.join(map(str, ranks[:8]))}{more} differ"
+
+
+def _hash(value: Any) -> int:
+    digest = hashlib.blake2b(_text(value).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
+def _text(value: Any) -> str:
+    """A text for ``value`` that is the same in every process (``repr`` of a function holds its address)."""
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{_text(k)}: {_text(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (set, frozenset)):
+        return "{" + ", ".join(sorted(map(_text, value))) + "}"
+    if isinstance(value, (list, tuple)):
+        return type(value).__name__ + "(" + ", ".join(map(_text, value)) + ")"
+    if isinstance(value, torch.Tensor):
+        return "<tensor>"  # a value on the device: not a static option
+    if callable(value) and not isinstance(value, type):
+        return f"<callable {getattr(value, '__module__', '')}.{getattr(value, '__qualname__', type(value).__name__)}>"
+    return repr(value)
+
+
+def _snapshot(values: tuple) -> tuple:
+    """``values`` with its mappings and lists copied: a dict changed in place later is a new configuration."""
+    return tuple(dict(v) if isinstance(v, Mapping) else tuple(v) if isinstance(v, list) else v for v in values)
+
+
+def _same(values: tuple, seen: tuple) -> bool:
+    return all(_equal(a, b) for a, b in zip(values, seen, strict=True))
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """Whether an option's value is the one verified before, on the host: identity first (the same
+    ``ParamIndex`` names every step), a mapping by its items, a tensor only as being a tensor."""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+    if isinstance(a, Mapping):
+        return isinstance(b, dict) and (a if isinstance(a, dict) else dict(a)) == b
+    if isinstance(a, list):
+        a = tuple(a)
+    return type(a) is type(b) and bool(a == b)
+
+
+def agreed(**options: Any) -> tuple[tuple[str, Any], ...]:
+    """A caller's own static options, for :attr:`NormOptions.also_agree`.
+
+    A tensor among them (a 0-dim ``max_norm``; one inside a rule or a
+    mapping of thresholds) is a value on the device, not compared: it is
+    replaced by a mark, as comparing it on the host would read it. So is a
+    rule's ``max_norm``: the global threshold (``max_norm``, which callers
+    leave out) may follow a schedule, and a new value every step would be a
+    new configuration, and a gather, every step.
+    """
+    return tuple(
+        (name, _mark_tensors(value._replace(max_norm="<per step>") if hasattr(value, "max_norm") else value))
+        for name, value in options.items()
+    )
+
+
+def _mark_tensors(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return "<tensor>"
+    if isinstance(value, tuple):
+        return tuple(map(_mark_tensors, value))
+    if isinstance(value, Mapping):
+        return {k: _mark_tensors(v) for k, v in value.items()}
+    return value
+
+
+def carries_state(world: World) -> bool:
+    """Whether the state's fingerprint can ride in ``world``'s collective: it has one, and its backend
+    moves data (torch's fake process group, a test tool, returns each rank's own vector: no check)."""
+    return world.group_name is not None and _moves_data(world.group_name)
+
+
+@torch.compiler.assume_constant_result
+def _moves_data(group_name: str) -> bool:
+    return str(dist.get_backend(_group(group_name))) != "fake"
+
+
+def state_entries(state: Sequence[torch.Tensor], kind: NormKind, device: torch.device) -> torch.Tensor:
+    """Returns the :data:`STATE_ENTRIES` float64 values a rank adds to the reduced vector for ``state``."""
+    f = _fingerprint(state, device)
+    return torch.cat([f, f * f if kind.op == "sum" else -f])
+
+
+def state_poison(device: torch.device) -> torch.Tensor:
+    """What a rank that cannot take part sends in the state's entries: NaN, which every rank lets pass
+    (its peers get a NaN norm, and that rank raises its own error)."""
+    return torch.full((STATE_ENTRIES,), math.nan, dtype=torch.float64, device=device)
+
+
+def states_agree(
+    reduced: torch.Tensor, state: Sequence[torch.Tensor], kind: NormKind, world: World, what: str
+) -> torch.Tensor:
+    """Returns a 0-dim bool, true iff every rank's state is this rank's; stops the step when it is not.
+
+    ``reduced`` is the reduced vector's last :data:`STATE_ENTRIES` values.
+    On CPU the stop is a :class:`StateDisagreement` raised here, naming the
+    ranks (found with one more gather, on this error path only); on CUDA a
+    device-side assert. Either way the same on every rank.
+    """
+    f = _fingerprint(state, reduced.device)
+    if kind.op == "sum":
+        assert world.mesh is not None
+        ranks = float(world.mesh.size())
+        expected = torch.cat([f * ranks, f * f * ranks])
+    else:
+        expected = torch.cat([f, -f])
+    agree = (reduced == expected).all() | reduced.isnan().any()
+    message = f"ranks hold different {what}: {STATE_FIX}"
+    try:
+        torch._assert_async(agree, message)
+    except RuntimeError:
+        if torch.compiler.is_compiling():
+            raise
+        raise StateDisagreement(f"{message} ({_state_ranks(world, f)})") from None
+    return agree
+
+
+def _state_ranks(world: World, f: torch.Tensor) -> str:
+    """Which ranks' state differs from the first rank's: one gather, made by every rank (all of them are here)."""
+    assert world.group_name is not None
+    table = _all_gather_rows(world.group_name, [int(x) for x in f.tolist()])
+    ranks = dist.get_process_group_ranks(_group(world.group_name))
+    odd = [r for r, row in zip(ranks, table) if row != table[0]]
+    return f"{_some(odd)} from rank {ranks[0]}"
+
+
+def _fingerprint(state: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Two integers in ``[0, 65521)`` (as float64) from the bits of ``state``'s tensors, in order."""
+    words = torch.cat([_words(t.to(device)) for t in state])
+    i = torch.arange(words.numel(), dtype=torch.int64, device=device)
+    # 16-bit words times weights below 2**16: each product below 2**32, their sum exact in int64.
+    digits = [(words * ((i * a + b) % _PRIME)).sum() % _PRIME for a, b in _WEIGHTS]
+    return torch.stack(digits).to(torch.float64)
+
+
+_BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bits as 16-bit words, in int64."""
+    flat = t.detach().reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    bits = flat.contiguous().view(_BITS[flat.element_size()]).to(torch.int64)
+    return torch.stack([(bits >> s) & 0xFFFF for s in range(0, 8 * flat.element_size(), 16)], dim=-1).reshape(-1)

@@ -11,6 +11,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._adaptive import ClipState, ClipStats, Rule, check_adaptive_args
+from ._agree import agreed
 from ._call import _adapt, _check_clip_args, _grad_reader, _rewrap
 from ._exclude import check_exclude, without_excluded
 from ._measure import GroupNorms, NormOptions, PpDim, measure
@@ -308,7 +309,8 @@ def clip_grad_norm(
     """
     _check_clip_args(max_norm, eps, nonfinite)
     kind = norm_kind(norm_type)
-    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, pp_mesh=pp_mesh)
+    agree = agreed(eps=eps, nonfinite=nonfinite)
+    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, pp_mesh=pp_mesh, also_agree=agree)
     measured = measure(lambda: grads, grads, "gradient", mesh, kind, opts)
     scaled = _apply(measured.leaves.shards, max_norm, measured.total, eps, nonfinite, kind.p, inplace=False)
     clipped = measured.leaves.unflatten(_rewrap(measured.leaves, scaled))
@@ -414,7 +416,8 @@ def clip_grad_norm_(
     _check_clip_args(max_norm, eps, nonfinite)
     kind = norm_kind(norm_type)
     parameters, read_grads = _grad_reader(parameters, "clip_grad_norm_")
-    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, pp_mesh=pp_mesh)
+    agree = agreed(eps=eps, nonfinite=nonfinite)
+    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, pp_mesh=pp_mesh, also_agree=agree)
     measured = measure(read_grads, parameters, "parameter grad", mesh, kind, opts)
     _apply(measured.leaves.shards, max_norm, measured.total, eps, nonfinite, kind.p, inplace=True)
     return measured.norms(groups is not None)
@@ -548,8 +551,9 @@ def adaptive_clip_grad_norm_(
     labels, excluded = check_exclude(groups, exclude)
     kind = norm_kind(norm_type)
     parameters, read_grads = _grad_reader(parameters, "adaptive_clip_grad_norm_")
-    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, param_norms, pp_mesh)
-    measured = measure(read_grads, parameters, "parameter grad", mesh, kind, opts)
+    agree = agreed(rule=rule, eps=eps, nonfinite=nonfinite, exclude=excluded)
+    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, param_norms, pp_mesh, agree)
+    measured = measure(read_grads, parameters, "parameter grad", mesh, kind, opts, state)
     measured, scaled = without_excluded(measured, kind, groups, labels, excluded)
     stats = _adapt(measured, state, rule, groups is not None)
     shards = measured.leaves.shards
@@ -611,8 +615,9 @@ def adaptive_clip_grad_norm(
     check_adaptive_args(state, rule)
     labels, excluded = check_exclude(groups, exclude)
     kind = norm_kind(norm_type)
-    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, param_norms, pp_mesh)
-    measured = measure(lambda: grads, grads, "gradient", mesh, kind, opts)
+    agree = agreed(rule=rule, eps=eps, nonfinite=nonfinite, exclude=excluded)
+    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, param_norms, pp_mesh, agree)
+    measured = measure(lambda: grads, grads, "gradient", mesh, kind, opts, state)
     measured, scaled = without_excluded(measured, kind, groups, labels, excluded)
     stats = _adapt(measured, state, rule, groups is not None)
     out = list(measured.leaves.shards)

@@ -29,6 +29,11 @@ from ._tree import Leaves
 def _adapt(measured: Measured, state: ClipState, rule: Rule, with_groups: bool) -> ClipStats:
     total = measured.total
     threshold, zscore, skip, new_state = adapt(total, state, rule)
+    if measured.agree is not None:
+        # Ranks whose states differ stop at the check (_agree); where that stop is asynchronous
+        # (CUDA), nothing is scaled or stepped by a decision the ranks do not share.
+        threshold = torch.where(measured.agree, threshold, math.inf)
+        skip = skip | ~measured.agree
     groups = measured.per_group if with_groups else None
     return ClipStats(total, threshold.to(total.dtype), zscore, skip, new_state, groups, measured.per_param)
 

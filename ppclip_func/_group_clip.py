@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from ._agree import agreed
 from ._call import _check_clip_args, _grad_reader, _rewrap
 from ._exclude import check_exclude, group_members, included_total
 from ._measure import GroupNorms, Measured, NormOptions, PpDim, measure
@@ -179,7 +180,8 @@ def clip_grad_norm_by_group_(
     labels, thresholds, excluded = check_group_args(groups, max_norm, group_max_norm, exclude, eps, nonfinite)
     kind = norm_kind(norm_type)
     parameters, read_grads = _grad_reader(parameters, "clip_grad_norm_by_group_")
-    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, pp_mesh=pp_mesh)
+    agree = agreed(group_max_norm=thresholds, exclude=excluded, eps=eps, nonfinite=nonfinite)
+    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, pp_mesh=pp_mesh, also_agree=agree)
     measured = measure(read_grads, parameters, "parameter grad", mesh, kind, opts)
     total, _ = _scale_groups(
         measured, kind, groups, labels, max_norm, thresholds, excluded, eps, nonfinite, inplace=True
@@ -228,7 +230,8 @@ def clip_grad_norm_by_group(
     """
     labels, thresholds, excluded = check_group_args(groups, max_norm, group_max_norm, exclude, eps, nonfinite)
     kind = norm_kind(norm_type)
-    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, pp_mesh=pp_mesh)
+    agree = agreed(group_max_norm=thresholds, exclude=excluded, eps=eps, nonfinite=nonfinite)
+    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, pp_mesh=pp_mesh, also_agree=agree)
     measured = measure(lambda: grads, grads, "gradient", mesh, kind, opts)
     total, scaled = _scale_groups(
         measured, kind, groups, labels, max_norm, thresholds, excluded, eps, nonfinite, inplace=False

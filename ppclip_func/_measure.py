@@ -10,7 +10,7 @@ waits for a rank that raised.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -18,13 +18,13 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ._agree import check_agree
+from ._agree import STATE_ENTRIES, carries_state, check_options, state_entries, states_agree
 from ._layout import World, count_copies, pipeline_stages, resolve_world
 from ._local import STAT_DTYPE, leaf_statistics, local_statistics
 from ._norms import ABSENT, HAS_ELEMENT, HAS_LEAF, NormKind
 from ._params import ParamIndex, leaf_slots
 from ._paths import GroupSpec, TiedSpec, check_groups, check_tied, group_indices, tied_stages
-from ._reduce import all_reduce_statistics, mesh_device, reduce_partial, release_peers
+from ._reduce import all_reduce_statistics, arguments_world, mesh_device, reduce_partial, release_peers
 from ._tree import Leaves, flatten_grads
 
 __all__: list[str] = []
@@ -45,6 +45,9 @@ class NormOptions:
     overflow_safe: bool = False
     params: ParamIndex | None = None
     pp_mesh: DeviceMesh | None = None
+    # The caller's other static options, ``(name, value)``, that every rank must pass alike
+    # (thresholds, ``exclude``, the adaptive rule): checked with these (``_agree``).
+    also_agree: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +64,7 @@ class Measured:
     per_group: dict[str, torch.Tensor]
     per_param: torch.Tensor | None = None
     reduced: torch.Tensor | None = None
+    agree: torch.Tensor | None = None
 
     def norms(self, with_groups: bool) -> torch.Tensor | tuple[torch.Tensor, GroupNorms]:
         """Returns the public result: the total, and the groups' norms if asked for."""
@@ -68,7 +72,13 @@ class Measured:
 
 
 def measure(
-    read_grads: Callable[[], Any], given: Any, what: str, mesh: DeviceMesh | None, kind: NormKind, opts: NormOptions
+    read_grads: Callable[[], Any],
+    given: Any,
+    what: str,
+    mesh: DeviceMesh | None,
+    kind: NormKind,
+    opts: NormOptions,
+    state: tuple[torch.Tensor, ...] | None = None,
 ) -> Measured:
     """Reads and flattens the gradients and measures the total and each group's norm, with one collective.
 
@@ -78,23 +88,43 @@ def measure(
     kernel that rejects its dtype), first joins the collective with poisoned
     statistics (:func:`release_peers`), then raises. Its peers never wait
     for it; they get a NaN norm.
+
+    Before anything that can fail on one rank only, every rank checks that
+    all ranks pass the same options (``_agree``: a gather the first time a
+    configuration is seen, nothing after). An adaptive ``state`` (a
+    ``ClipState`` or ``AdaGCState``) rides in the one collective as a
+    fingerprint; :attr:`Measured.agree` says whether every rank held the same.
     """
-    # First, before anything that can fail on one rank only: all ranks agree on the options (once per config).
-    check_agree(_mesh_group(mesh, opts), _static_options(kind, opts))
+    world = arguments_world(mesh, given, opts.pp_dim, opts.pp_mesh)
+    if world is not None:
+        check_options(world, _static_options(kind, opts, state), opts.tied)
     try:
         leaves = flatten_grads(read_grads(), what)
         world, stats, labels = _local_part(leaves, mesh, kind, opts)
     except Exception:
-        release_peers(mesh, given, kind, opts.pp_dim, opts.pp_mesh, _n_entries(opts))
+        release_peers(mesh, given, kind, opts.pp_dim, opts.pp_mesh, _n_entries(opts), with_state=state is not None)
         raise
     n = len(labels) + 1
+    checked = state is not None and carries_state(world)
+    if checked:
+        stats = torch.cat([stats, state_entries(state, kind, stats.device)])
     reduced = all_reduce_statistics(stats, kind, world)
+    agree = None
+    if checked:
+        reduced, entries = reduced[:-STATE_ENTRIES], reduced[-STATE_ENTRIES:]
+        agree = states_agree(entries, state, kind, world, _STATE_NAMES.get(type(state).__name__, "adaptive states"))
     per_entry, total = kind.decode(reduced, per_group=bool(labels) or opts.params is not None, n_total=n)
     # Float64, as the reduced statistics: every rank holds these bits, whatever leaves it holds (a
     # stage's own dtypes would differ between stages), and a float64 model keeps a float64 norm.
     groups = {label: _plain(per_entry[i]) for i, label in enumerate(labels)} if labels else {}
     per_param = _plain(per_entry[n:]) if opts.params is not None else None
-    return Measured(leaves, _plain(total), groups, per_param, reduced)
+    return Measured(leaves, _plain(total), groups, per_param, reduced, agree)
+
+
+_STATE_NAMES = {
+    "ClipState": "adaptive clip states (ClipState: count, mean, var)",
+    "AdaGCState": "AdaGC states (AdaGCState: count, gamma)",
+}
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -104,32 +134,22 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
-def _mesh_group(mesh: Any, opts: NormOptions) -> str | None:
-    """The world group's name from the arguments alone, or ``None`` (no mesh, or it cannot be resolved:
-    then the clip itself raises, or, with ``mesh=None``, the leaves name the world and no check is made)."""
-    if not isinstance(mesh, DeviceMesh):
-        return None
-    try:
-        return resolve_world(mesh, pipeline_stages(mesh, opts.pp_dim, opts.pp_mesh), []).group_name
-    except Exception:
-        return None
-
-
-def _static_options(kind: NormKind, opts: NormOptions) -> dict[str, Any]:
+def _static_options(kind: NormKind, opts: NormOptions, state: Any) -> dict[str, Any]:
     """What every rank must pass alike, by option (checked once per configuration by ``_agree``).
 
-    Not ``tied``: each stage declares the tied leaves it holds, so it legitimately differs.
+    ``tied`` is checked apart: each stage declares the tied leaves it holds.
     """
-    params = opts.params.names if isinstance(opts.params, ParamIndex) else None
     return {
-        "the number of group labels": len(opts.groups) if isinstance(opts.groups, dict) else None,
+        "the number of group labels": len(opts.groups) if isinstance(opts.groups, Mapping) else None,
         "groups": opts.groups,
         "norm_type": kind.p,
         "partial": opts.partial,
         "overflow_safe": opts.overflow_safe,
-        "param_norms": params,
+        "param_norms": opts.params.names if isinstance(opts.params, ParamIndex) else opts.params,
         "pp_dim": opts.pp_dim,
         "the reduced vector's length": _n_entries(opts),
+        "the adaptive state's type": type(state).__name__ if state is not None else None,
+        **dict(opts.also_agree),
     }
 
 

@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from ._adaptive import ClipState, ClipStats, Rule, check_adaptive_args
+from ._agree import agreed
 from ._call import _adapt, _check_clip_args, _grad_reader
 from ._measure import GroupNorms, NormOptions, PpDim, measure
 from ._norms import norm_kind
@@ -237,7 +238,8 @@ def clip_grad_norm_in_optimizer(
     optimizers = optimizers_of(optimizer)
     kind = norm_kind(norm_type)
     parameters, read_grads = _grad_reader(parameters, "clip_grad_norm_in_optimizer")
-    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, pp_mesh=pp_mesh)
+    agree = agreed(eps=eps, nonfinite=nonfinite)
+    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, pp_mesh=pp_mesh, also_agree=agree)
     measured = measure(read_grads, parameters, "parameter grad", mesh, kind, opts)
     if nonfinite == "error":
         finite_mask(measured.total, kind.p, "error")
@@ -320,8 +322,9 @@ def adaptive_clip_grad_norm_in_optimizer(
     optimizers = optimizers_of(optimizer)
     kind = norm_kind(norm_type)
     parameters, read_grads = _grad_reader(parameters, "adaptive_clip_grad_norm_in_optimizer")
-    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, param_norms, pp_mesh)
-    measured = measure(read_grads, parameters, "parameter grad", mesh, kind, opts)
+    agree = agreed(rule=rule, eps=eps)
+    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, param_norms, pp_mesh, agree)
+    measured = measure(read_grads, parameters, "parameter grad", mesh, kind, opts, state)
     stats = _adapt(measured, state, rule, groups is not None)
     hand_over(optimizers, functools.partial(clip_coefficient, stats.threshold, measured.total, eps), stats.skip)
     return stats

@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils import _pytree as pytree
 
+from ._agree import carries_state, state_poison
 from ._layout import World, pipeline_stages, resolve_world
 from ._norms import NormKind, norm_kind
 
@@ -74,8 +75,38 @@ def mesh_device(mesh: DeviceMesh | None) -> torch.device:
     return torch.device(mesh.device_type, module.current_device())
 
 
+def arguments_world(mesh: Any, given: Any, pp_dim: Any, pp_mesh: Any) -> World | None:
+    """The world a clip of ``given`` reduces over, from the arguments alone; ``None`` if it cannot be
+    resolved (then the clip raises the reason itself, on every rank of that world alike).
+
+    With ``mesh=None`` the DTensor leaves of ``given`` (gradients or
+    parameters) name the world, as in the clip.
+    """
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        return None
+    leaf_meshes = [] if mesh is not None else [x.device_mesh for x in _leaves(given) if isinstance(x, DTensor)]
+    try:
+        return resolve_world(mesh, pipeline_stages(mesh, pp_dim, pp_mesh), leaf_meshes)
+    except Exception:
+        return None
+
+
+def _leaves(given: Any) -> list[Any]:
+    if isinstance(given, list):
+        return given
+    if type(given) is dict:
+        return list(given.values())
+    return pytree.tree_leaves(given)
+
+
 def release_peers(
-    mesh: DeviceMesh | None, grads: Any, kind: NormKind, pp_dim: Any, pp_mesh: Any, n_groups: int
+    mesh: DeviceMesh | None,
+    grads: Any,
+    kind: NormKind,
+    pp_dim: Any,
+    pp_mesh: Any,
+    n_groups: int,
+    with_state: bool = False,
 ) -> None:
     """Joins the statistics all-reduce with a poison that makes every group's norm NaN on every rank.
 
@@ -98,37 +129,35 @@ def release_peers(
         pp_dim: The caller's ``pp_dim`` argument.
         pp_mesh: The caller's ``pp_mesh`` argument.
         n_groups: Number of groups, including the one for leaves in no group.
+        with_state: The call carries an adaptive state's fingerprint
+            (``_agree``): its entries are joined with NaN, which lets them pass.
     """
-    leaf_meshes = (
-        [] if mesh is not None else [x.device_mesh for x in pytree.tree_leaves(grads) if isinstance(x, DTensor)]
-    )
+    world = arguments_world(mesh, grads, pp_dim, pp_mesh)
+    if world is None or world.group_name is None:
+        return
+    with_state = with_state and carries_state(world)
     if torch.compiler.is_compiling():
-        _join_at_trace_time(mesh, tuple(leaf_meshes), kind.p, pp_dim, pp_mesh, n_groups)
+        _join_at_trace_time(world.mesh, world.group_name, kind.p, n_groups, with_state)
     else:
-        _join(mesh, leaf_meshes, kind, pp_dim, pp_mesh, n_groups)
+        _join(world.mesh, world.group_name, kind, n_groups, with_state)
 
 
 @torch.compiler.assume_constant_result
-def _join_at_trace_time(mesh: Any, leaf_meshes: Any, p: float, pp_dim: Any, pp_mesh: Any, n_groups: int) -> bool:
+def _join_at_trace_time(mesh: Any, group_name: str, p: float, n_groups: int, with_state: bool) -> bool:
     # Dynamo calls this with the real arguments (plain values: it does not pass
     # a NormKind through intact) and runs it eagerly; tensors made while
     # tracing are fake, so the poison is made outside the fake mode.
     with torch._subclasses.fake_tensor.unset_fake_temporarily():
-        _join(mesh, list(leaf_meshes), norm_kind(p), pp_dim, pp_mesh, n_groups)
+        _join(mesh, group_name, norm_kind(p), n_groups, with_state)
     return True
 
 
-def _join(mesh: Any, leaf_meshes: list, kind: NormKind, pp_dim: Any, pp_mesh: Any, n_groups: int) -> None:
-    try:
-        if mesh is not None and not isinstance(mesh, DeviceMesh):
-            return
-        world = resolve_world(mesh, pipeline_stages(mesh, pp_dim, pp_mesh), leaf_meshes)
-    except Exception:
-        return
-    if world.group_name is None:
-        return
-    stats = kind.poison(n_groups, mesh_device(world.mesh))
-    funcol.wait_tensor(all_reduce_statistics(stats, kind, world))
+def _join(mesh: DeviceMesh | None, group_name: str, kind: NormKind, n_groups: int, with_state: bool) -> None:
+    device = mesh_device(mesh)
+    stats = kind.poison(n_groups, device)
+    if with_state:
+        stats = torch.cat([stats, state_poison(device)])
+    funcol.wait_tensor(funcol.all_reduce(stats, kind.op, group_name))
 
 
 def reduce_partial(leaf: DTensor) -> DTensor:

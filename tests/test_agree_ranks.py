@@ -1,88 +1,361 @@
-"""Ranks that disagree on a static option get one clear error on every rank, never a wrong norm or a hang.
+"""Ranks that disagree get one clear error on every rank: never a wrong norm, a crash or a hang.
 
-2 real gloo ranks, mesh ("pp",) of 2, each rank holding its own stage's grads;
-one process group for all cases (eager, then compiled with aot_eager). Each
-case must raise ValueError naming the option on both ranks, leave every
-gradient untouched, and leave the group usable (a good clip follows).
+Four gloo ranks, mesh ``(pp=2, dp=2)``, each pipeline stage holding its own
+parameters, every case run eagerly and under ``torch.compile(fullgraph=True)``
+(``aot_eager``) in one start (``tests/_cases.py``: a hard timeout per case,
+so a hang fails its case instead of stalling the suite). Each disagreement
+must raise on every rank, name the option (or state) and the ranks that
+differ, leave every gradient untouched, and leave the ranks in step: each
+case ends with an agreeing clip on every rank.
+
+The static check runs the first time a rank sees a configuration; each case
+starts with no configuration seen (``_fresh``), as a new training run does.
 """
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate
 
-from demo.harness import run_ranks
-from ppclip_func import clip_grad_norm_, global_grad_norm
+from ppclip_func import (
+    ClipState,
+    _agree,
+    adagc_clip_grad_norm_,
+    adaptive_clip_grad_norm_,
+    clip_grad_norm,
+    clip_grad_norm_,
+    clip_grad_norm_by_group_,
+    global_grad_norm,
+    init_adagc_state,
+    init_clip_state,
+    param_norm_index,
+)
+from tests._cases import real_rank_test
+from tests._collectives import CollectiveCounter
+from tests._gather import gather_objects
 
-MAX_NORM = 0.1
+WORLD = 4
 
 
-def _stage(stage: int) -> torch.nn.Module:
+def _fresh():
+    """The mesh, this rank's stage and its named parameters with grads; no configuration seen yet."""
+    _agree._VERIFIED.clear()
+    torch._dynamo.reset()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    stage = mesh.get_coordinate()[0]
     torch.manual_seed(stage)
-    m = torch.nn.Sequential()
-    m.add_module(f"s{stage}", torch.nn.Linear(3, 2))
-    for p in m.parameters():
-        p.grad = torch.randn_like(p)
-    return m
-
-
-def _cases(rank: int, stage: torch.nn.Module) -> dict:
-    own = {n: n for n in dict(stage.named_parameters())}  # the pipeline trainer's natural mistake
-    return {
-        "groups": dict(groups=own),
-        "norm_type": dict(norm_type=2.0 if rank == 0 else float("inf")),
-        "the number of group labels": dict(groups={"a": "*weight"} if rank == 0 else {"a": "*weight", "b": "*bias"}),
-        "overflow_safe": dict(overflow_safe=rank == 1),
+    params = {
+        f"s{stage}.weight": torch.nn.Parameter(torch.randn(2, 3)),
+        f"s{stage}.bias": torch.nn.Parameter(torch.randn(2)),
     }
+    for p in params.values():
+        p.grad = torch.randn_like(p)
+    return mesh, stage, params
 
 
-def _worker(rank: int, world_size: int) -> dict:
-    torch._functorch.config.enable_autograd_cache = False
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("pp",))
-    stage = _stage(rank)
-    params = list(stage.parameters())
-    out = {}
+def _cause(e: BaseException) -> BaseException:
+    """Under ``torch.compile(fullgraph=True)`` dynamo wraps an error raised while tracing; the cause is ours."""
+    while not isinstance(e, (ValueError, _agree.StateDisagreement)) and (e.__cause__ or e.__context__) is not None:
+        e = e.__cause__ or e.__context__
+    return e
+
+
+def _raises_everywhere(call, params: dict, error: type, *texts: str) -> None:
+    """``call()`` raises ``error`` naming each of ``texts`` here, eagerly and compiled; grads untouched."""
     for compiled in (False, True):
-        for name, kw in _cases(rank, stage).items():
-            torch._dynamo.reset()
-            before = [p.grad.clone() for p in params]
+        torch._dynamo.reset()
+        before = {n: p.grad.clone() for n, p in params.items()}
+        fn = torch.compile(call, backend="aot_eager", fullgraph=True) if compiled else call
+        with pytest.raises(Exception) as caught:
+            fn()
+        e = _cause(caught.value)
+        where = "compiled" if compiled else "eager"
+        assert isinstance(e, error), f"{where}: {type(e).__name__}: {e}"
+        for text in texts:
+            assert text in str(e), f"{where}: {text!r} not in {e}"
+        for n, p in params.items():
+            assert torch.equal(p.grad, before[n]), f"{where}: {n} was changed"
 
-            def clip(ps, kw=kw):
-                return clip_grad_norm_(ps, mesh, MAX_NORM, **kw)
 
-            fn = torch.compile(clip, backend="aot_eager", fullgraph=True) if compiled else clip
-            try:
-                fn(params)
-                got = "no error"
-            except Exception as e:
-                # Under torch.compile(fullgraph=True) dynamo wraps it; the ValueError is the cause.
-                while not isinstance(e, ValueError) and (e.__cause__ or e.__context__) is not None:
-                    e = e.__cause__ or e.__context__
-                msg = str(e)
-                ok = isinstance(e, ValueError)
-                got = "ok" if ok and name in msg and "whole model" in msg else f"{type(e).__name__}: {msg[:300]}"
-            untouched = all(torch.equal(b, p.grad) for b, p in zip(before, params, strict=True))
-            out[f"{'compiled' if compiled else 'eager'} {name}"] = (got, untouched)
-    # The group is still usable: an agreeing clip works.
-    total = clip_grad_norm_(params, mesh, MAX_NORM)
-    out["after"] = bool(torch.isfinite(total))
-    # The README's fix: groups from the whole model's names on every rank give each stage's true norm.
-    whole = [f"s{s}.{k}" for s in range(world_size) for k in ("weight", "bias")]
-    grads = {n: p.grad for n, p in stage.named_parameters()}
-    _, per = global_grad_norm(grads, mesh, groups={n: n for n in whole})
-    gathered: list = [None] * world_size
-    dist.all_gather_object(gathered, {n: float(g.norm()) for n, g in grads.items()})
-    true = {n: v for g in gathered for n, v in g.items()}
-    out["fix"] = all(abs(float(per[n]) - true[n]) <= 1e-6 * true[n] for n in whole)
+def _in_step(mesh) -> None:
+    """An agreeing clip on every rank: the ranks are still in step (a rank left behind would hang here)."""
+    g = {"w": torch.ones(4)}
+    total = global_grad_norm(g, mesh)
+    assert float(total) == pytest.approx(math.sqrt(8.0)), float(total)  # 4 ones per stage, 2 stages
+
+
+# --- static options -----------------------------------------------------------------------------------
+
+
+def groups_built_from_each_stages_own_names(rank: int, world_size: int) -> None:
+    mesh, _stage, params = _fresh()
+    own = {n: n for n in params}  # the natural mistake in a pipeline trainer
+    _raises_everywhere(
+        lambda: clip_grad_norm_(params, mesh, 0.1, groups=own),
+        params,
+        ValueError,
+        "groups (ranks [2, 3] differ from rank 0)",
+        "whole model",
+    )
+    _in_step(mesh)
+
+
+def the_readme_fix_gives_each_stage_its_true_norm(rank: int, world_size: int) -> None:
+    mesh, _stage, params = _fresh()
+    whole = [f"s{s}.{k}" for s in range(2) for k in ("weight", "bias")]
+    _, per = global_grad_norm({n: p.grad for n, p in params.items()}, mesh, groups={n: n for n in whole})
+    true = {n: float(p.grad.norm()) for n, p in params.items()}
+    true = {n: v for t in gather_objects(true) for n, v in t.items()}
+    for n in whole:
+        assert float(per[n]) == pytest.approx(true[n], rel=1e-6), n
+
+
+def norm_type_on_one_rank(rank: int, world_size: int) -> None:
+    mesh, _stage, params = _fresh()
+    p = math.inf if rank == 3 else 2.0
+    _raises_everywhere(
+        lambda: clip_grad_norm_(params, mesh, 0.1, norm_type=p),
+        params,
+        ValueError,
+        "norm_type (rank 3 differs from rank 0)",
+    )
+    _in_step(mesh)
+
+
+def a_different_number_of_group_labels(rank: int, world_size: int) -> None:
+    # Reduced as is, the all-reduce lengths would differ: gloo aborts the process, NCCL hangs.
+    mesh, _stage, params = _fresh()
+    groups = {"a": "weight"} if rank == 0 else {"a": "weight", "b": "bias"}
+    _raises_everywhere(
+        lambda: clip_grad_norm_(params, mesh, 0.1, groups=groups),
+        params,
+        ValueError,
+        "the number of group labels (ranks [1, 2, 3] differ from rank 0)",
+    )
+    _in_step(mesh)
+
+
+def every_other_option_that_shapes_or_reads_the_vector(rank: int, world_size: int) -> None:
+    mesh, _stage, params = _fresh()
+    index = param_norm_index(params, mesh)
+    odd = rank == 2
+    cases = {
+        "overflow_safe": dict(overflow_safe=odd),
+        "partial": dict(partial="reduce" if odd else "error"),
+        "eps": dict(eps=1e-3 if odd else 1e-6),
+        "nonfinite": dict(nonfinite="zero" if odd else "propagate"),
+    }
+    for option, kw in cases.items():
+        _raises_everywhere(
+            lambda kw=kw: clip_grad_norm_(params, mesh, 0.1, **kw),
+            params,
+            ValueError,
+            f"{option} (rank 2 differs from rank 0)",
+        )
+    state = init_clip_state()
+    _raises_everywhere(
+        lambda: adaptive_clip_grad_norm_(params, mesh, state, param_norms=index if odd else None),
+        params,
+        ValueError,
+        "param_norms (rank 2 differs from rank 0)",
+    )
+    _raises_everywhere(
+        lambda: adaptive_clip_grad_norm_(params, mesh, state, z=3.0 if odd else 2.5),
+        params,
+        ValueError,
+        "rule (rank 2 differs from rank 0)",
+    )
+    _in_step(mesh)
+
+
+def tied_declared_on_one_stage_only(rank: int, world_size: int) -> None:
+    mesh, stage, params = _fresh()
+    tied = {f"s{stage}.weight": 2} if stage == 0 else None
+    _raises_everywhere(
+        lambda: clip_grad_norm_(params, mesh, 0.1, tied=tied),
+        params,
+        ValueError,
+        "tied (the declarations do not pair up across pipeline stages",
+        "stage (0,): 1, stage (1,): 0",
+    )
+    _in_step(mesh)
+
+
+def tied_that_differs_within_a_stage(rank: int, world_size: int) -> None:
+    mesh, stage, params = _fresh()
+    tied = {f"s{stage}.weight": 2} if rank != 1 else {f"s{stage}.bias": 2}
+    _raises_everywhere(
+        lambda: clip_grad_norm_(params, mesh, 0.1, tied=tied),
+        params,
+        ValueError,
+        "tied (rank 1 differs from rank 0 of the same pipeline stage)",
+    )
+    _in_step(mesh)
+
+
+def tied_declared_on_both_stages_is_fine(rank: int, world_size: int) -> None:
+    mesh, stage, params = _fresh()
+    total = clip_grad_norm_(params, mesh, 1e9, tied={f"s{stage}.weight": 2})
+    mine = (params[f"s{stage}.weight"].grad.norm() ** 2 / 2 + params[f"s{stage}.bias"].grad.norm() ** 2).item()
+    assert float(total) ** 2 == pytest.approx(sum(gather_objects(mine)) / 2, rel=1e-6)
+
+
+def exclude_and_group_thresholds(rank: int, world_size: int) -> None:
+    mesh, _stage, params = _fresh()
+    groups = {"w": "weight", "b": "bias"}
+    state = init_clip_state()
+    excl = {"b"} if rank == 3 else {"w"}
+    _raises_everywhere(
+        lambda: adaptive_clip_grad_norm_(params, mesh, state, groups=groups, exclude=excl),
+        params,
+        ValueError,
+        "exclude (rank 3 differs from rank 0)",
+    )
+    limits = {"w": 0.5 if rank == 3 else 0.25}
+    _raises_everywhere(
+        lambda: clip_grad_norm_by_group_(params, mesh, groups, 1.0, group_max_norm=limits),
+        params,
+        ValueError,
+        "group_max_norm (rank 3 differs from rank 0)",
+    )
+    _in_step(mesh)
+
+
+def with_mesh_none_the_dtensor_leaves_name_the_world(rank: int, world_size: int) -> None:
+    # The world is each stage's dp mesh: ranks (0, 1) disagree, ranks (2, 3) agree.
+    mesh, stage, _params = _fresh()
+    grads = {"w": DTensor.from_local(torch.ones(4), mesh["dp"], [Replicate()], run_check=False)}
+    p = 1.0 if rank == 1 else 2.0
+    for compiled in (False, True):
+        torch._dynamo.reset()
+
+        def call():
+            return clip_grad_norm(grads, None, 0.1, norm_type=p)
+
+        fn = torch.compile(call, backend="aot_eager", fullgraph=True) if compiled else call
+        if stage == 0:
+            with pytest.raises(Exception) as caught:
+                fn()
+            e = _cause(caught.value)
+            assert isinstance(e, ValueError) and "norm_type (rank 1 differs from rank 0)" in str(e), str(e)
+        else:
+            _, total = fn()
+            assert float(total) == pytest.approx(2.0)
+        assert torch.equal(grads["w"].to_local(), torch.ones(4))
+
+
+def different_functions_on_different_ranks(rank: int, world_size: int) -> None:
+    mesh, _stage, params = _fresh()
+
+    def call():
+        if rank == 0:
+            return global_grad_norm({n: p.grad for n, p in params.items()}, mesh)
+        return clip_grad_norm_(params, mesh, 0.1)
+
+    _raises_everywhere(
+        call, params, ValueError, "the options passed (which clip function) (ranks [1, 2, 3] differ from rank 0)"
+    )
+    _in_step(mesh)
+
+
+# --- adaptive state -----------------------------------------------------------------------------------
+
+
+def a_clip_state_from_another_step_on_one_rank(rank: int, world_size: int) -> None:
+    mesh, _stage, params = _fresh()
+    state = init_clip_state()
+    if rank == 2:  # e.g. restored from another checkpoint
+        state = ClipState(
+            torch.tensor(7), torch.tensor(1.5, dtype=torch.float64), torch.tensor(0.1, dtype=torch.float64)
+        )
+    eager_text = "ranks hold different adaptive clip states (ClipState: count, mean, var)"
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        before = {n: p.grad.clone() for n, p in params.items()}
+
+        def call():
+            return adaptive_clip_grad_norm_(params, mesh, state, max_norm=0.01)
+
+        fn = torch.compile(call, backend="aot_eager", fullgraph=True) if compiled else call
+        with pytest.raises(RuntimeError) as caught:
+            fn()
+        assert eager_text in str(caught.value), str(caught.value)
+        if not compiled:  # eager, the error path gathers once more to say which ranks
+            assert isinstance(caught.value, _agree.StateDisagreement)
+            assert "rank 2 differs from rank 0" in str(caught.value), str(caught.value)
+        for n, p in params.items():
+            assert torch.equal(p.grad, before[n]), f"{'compiled' if compiled else 'eager'}: {n} was changed"
+    _in_step(mesh)
+
+
+def an_adagc_state_that_differs_on_one_rank(rank: int, world_size: int) -> None:
+    mesh, _stage, params = _fresh()
+    index = param_norm_index(params, mesh)
+    state = init_adagc_state(index)
+    if rank == 1:
+        state = state._replace(gamma=state.gamma.clone().fill_(0.5))
+    before = {n: p.grad.clone() for n, p in params.items()}
+    with pytest.raises(_agree.StateDisagreement, match=r"AdaGC states .* \(rank 1 differs from rank 0\)"):
+        adagc_clip_grad_norm_(params, mesh, state, index, max_norm=0.01)
+    assert all(torch.equal(p.grad, before[n]) for n, p in params.items())
+    _in_step(mesh)
+
+
+def the_same_state_steps_on(rank: int, world_size: int) -> None:
+    mesh, _stage, params = _fresh()
+    state = init_clip_state()
+    for _ in range(3):
+        state = adaptive_clip_grad_norm_(params, mesh, state, max_norm=1.0, warmup=2).state
+    assert int(state.count) == 3
+    assert len(set(gather_objects((int(state.count), float(state.mean), float(state.var))))) == 1
+
+
+# --- the steady state -----------------------------------------------------------------------------------
+
+
+def after_the_first_call_one_all_reduce_and_nothing_else(rank: int, world_size: int) -> None:
+    mesh, _stage, params = _fresh()
+    groups = {"w": "weight", "b": "bias"}
+    calls = {
+        "clip_grad_norm_": lambda: clip_grad_norm_(params, mesh, 1.0, groups=groups),
+        "adaptive, with its state": lambda: adaptive_clip_grad_norm_(params, mesh, init_clip_state(), groups=groups),
+    }
+    for what, call in calls.items():
+        with CollectiveCounter() as first:
+            call()
+        with CollectiveCounter() as second:
+            call()
+        assert first.ops == ["c10d._allgather_base_", "_c10d_functional.all_reduce"], (what, first.ops)
+        assert second.ops == ["_c10d_functional.all_reduce"], (what, second.ops)
+    # A new max_norm every step (a schedule) is not a new configuration: no gather.
+    for max_norm in (0.5, 0.25, 0.125):
+        with CollectiveCounter() as c:
+            clip_grad_norm_(params, mesh, max_norm, groups=groups)
+        assert c.ops == ["_c10d_functional.all_reduce"], c.ops
     dist.barrier()
-    return out
 
 
-def test_disagreeing_ranks_raise_on_every_rank_and_leave_grads_untouched():
-    results = run_ranks(_worker, 2, timeout=240, pg_timeout=60)
-    for rank, r in enumerate(results):
-        assert r.pop("after"), rank
-        assert r.pop("fix"), rank
-        bad = {k: v for k, v in r.items() if v != ("ok", True)}
-        assert not bad, f"rank {rank}: {bad}"
+CASES = [
+    groups_built_from_each_stages_own_names,
+    the_readme_fix_gives_each_stage_its_true_norm,
+    norm_type_on_one_rank,
+    a_different_number_of_group_labels,
+    every_other_option_that_shapes_or_reads_the_vector,
+    tied_declared_on_one_stage_only,
+    tied_that_differs_within_a_stage,
+    tied_declared_on_both_stages_is_fine,
+    exclude_and_group_thresholds,
+    with_mesh_none_the_dtensor_leaves_name_the_world,
+    different_functions_on_different_ranks,
+    a_clip_state_from_another_step_on_one_rank,
+    an_adagc_state_that_differs_on_one_rank,
+    the_same_state_steps_on,
+    after_the_first_call_one_all_reduce_and_nothing_else,
+]
+
+test_on_real_ranks = real_rank_test(CASES, WORLD, case_timeout=120.0)

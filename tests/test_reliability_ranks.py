@@ -104,7 +104,20 @@ def a_tied_name_matching_nothing_raises_and_releases_the_other_stage(rank: int, 
         with pytest.raises(ValueError, match=r"tied\['tok_embeddings.weight'\] matches none of this rank's"):
             clip_grad_norm_(params, mesh, 1.0, tied=tied)
     else:
-        assert math.isnan(float(clip_grad_norm_(params, mesh, 1.0))), "released with a NaN norm"
+        # The last stage names its half of the pair (the declarations pair up across stages).
+        named = {"output.weight": params[0], "norm.weight": params[1]}
+        assert math.isnan(float(clip_grad_norm_(named, mesh, 1.0, tied={"output.weight": 2}))), "released"
+    _good_clip_still_works(mesh)
+
+
+def a_tied_name_declared_on_one_stage_only_raises_on_every_rank(rank: int, world_size: int) -> None:
+    mesh, stage = _pp_dp()
+    named = {"w": torch.nn.Parameter(torch.ones(4))}
+    named["w"].grad = torch.ones(4)
+    tied = {"w": 2} if stage == 0 else None
+    with pytest.raises(ValueError, match=r"tied \(the declarations do not pair up across pipeline stages"):
+        clip_grad_norm_(named, mesh, 1.0, tied=tied)
+    assert torch.equal(named["w"].grad, torch.ones(4)), "no gradient scaled"
     _good_clip_still_works(mesh)
 
 
@@ -221,6 +234,7 @@ def with_mesh_none_dtensors_reduce_over_their_own_mesh(rank: int, world_size: in
 CASES = [
     nan_on_a_later_rank_reaches_every_rank,
     a_tied_name_matching_nothing_raises_and_releases_the_other_stage,
+    a_tied_name_declared_on_one_stage_only_raises_on_every_rank,
     a_bad_parameter_on_one_stage_releases_the_other,
     float8_grads_and_any_error_release_the_other_stage,
     with_mesh_none_a_failing_rank_releases_the_dtensor_mesh,
