@@ -97,24 +97,29 @@ def check_options(world: World, options: Mapping[str, Any], tied: Mapping[str, i
     if len(names) > _MAX_OPTIONS:
         raise AssertionError(f"_agree: {len(names)} options, room for {_MAX_OPTIONS}")
     if torch.compiler.is_compiling():
-        # The options are constants of the graph (dynamo guards on them): a new configuration retraces.
-        _check_at_trace_time(world.group_name, world.rank_stage, names, values)
-        return
+        # The options are constants of the graph (dynamo guards on them). A rank may retrace alone (a guard
+        # that fails on it only): the remembered configurations keep it from gathering alone then.
+        _verify_at_trace_time(world.group_name, world.rank_stage, names, values)
+    else:
+        _verify(world.group_name, world.rank_stage, names, values)
+
+
+def _verify(group_name: str, rank_stage: dict[int, tuple[int, ...]], names: tuple[str, ...], values: tuple) -> None:
     _own_cache()
-    seen = _VERIFIED.setdefault((world.group_name, names), [])
+    seen = _VERIFIED.setdefault((group_name, names), [])
     if any(_same(values, v) for v in seen):
         return
-    _check(world.group_name, world.rank_stage, names, values)
+    _check(group_name, rank_stage, names, values)
     seen.append(_snapshot(values))
     del seen[:-_REMEMBERED]
 
 
 @torch.compiler.assume_constant_result
-def _check_at_trace_time(group_name: str, rank_stage: dict, names: tuple, values: tuple) -> bool:
+def _verify_at_trace_time(group_name: str, rank_stage: dict, names: tuple, values: tuple) -> bool:
     # Dynamo runs this eagerly with the real arguments; the gather is made outside the fake mode.
     # Raised here, torch.compile(fullgraph=True) raises it as the cause of its InternalTorchDynamoError.
     with torch._subclasses.fake_tensor.unset_fake_temporarily():
-        _check(group_name, rank_stage, names, values)
+        _verify(group_name, rank_stage, names, values)
     return True
 
 

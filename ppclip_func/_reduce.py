@@ -82,21 +82,23 @@ def arguments_world(mesh: Any, given: Any, pp_dim: Any, pp_mesh: Any) -> World |
     With ``mesh=None`` the DTensor leaves of ``given`` (gradients or
     parameters) name the world, as in the clip.
     """
+    return _world(mesh, _leaf_meshes(mesh, given), pp_dim, pp_mesh)
+
+
+def _leaf_meshes(mesh: Any, given: Any) -> list[DeviceMesh]:
+    if mesh is not None:
+        return []
+    leaves = given if isinstance(given, list) else list(given.values()) if type(given) is dict else None
+    return [x.device_mesh for x in leaves or pytree.tree_leaves(given) if isinstance(x, DTensor)]
+
+
+def _world(mesh: Any, leaf_meshes: list[DeviceMesh], pp_dim: Any, pp_mesh: Any) -> World | None:
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         return None
-    leaf_meshes = [] if mesh is not None else [x.device_mesh for x in _leaves(given) if isinstance(x, DTensor)]
     try:
         return resolve_world(mesh, pipeline_stages(mesh, pp_dim, pp_mesh), leaf_meshes)
     except Exception:
         return None
-
-
-def _leaves(given: Any) -> list[Any]:
-    if isinstance(given, list):
-        return given
-    if type(given) is dict:
-        return list(given.values())
-    return pytree.tree_leaves(given)
 
 
 def release_peers(
@@ -132,32 +134,35 @@ def release_peers(
         with_state: The call carries an adaptive state's fingerprint
             (``_agree``): its entries are joined with NaN, which lets them pass.
     """
-    world = arguments_world(mesh, grads, pp_dim, pp_mesh)
-    if world is None or world.group_name is None:
-        return
-    with_state = with_state and carries_state(world)
+    leaf_meshes = _leaf_meshes(mesh, grads)
     if torch.compiler.is_compiling():
-        _join_at_trace_time(world.mesh, world.group_name, kind.p, n_groups, with_state)
+        _join_at_trace_time(mesh, tuple(leaf_meshes), kind.p, pp_dim, pp_mesh, n_groups, with_state)
     else:
-        _join(world.mesh, world.group_name, kind, n_groups, with_state)
+        _join(mesh, leaf_meshes, kind, pp_dim, pp_mesh, n_groups, with_state)
 
 
 @torch.compiler.assume_constant_result
-def _join_at_trace_time(mesh: Any, group_name: str, p: float, n_groups: int, with_state: bool) -> bool:
+def _join_at_trace_time(
+    mesh: Any, leaf_meshes: Any, p: float, pp_dim: Any, pp_mesh: Any, n_groups: int, with_state: bool
+) -> bool:
     # Dynamo calls this with the real arguments (plain values: it does not pass
     # a NormKind through intact) and runs it eagerly; tensors made while
     # tracing are fake, so the poison is made outside the fake mode.
     with torch._subclasses.fake_tensor.unset_fake_temporarily():
-        _join(mesh, group_name, norm_kind(p), n_groups, with_state)
+        _join(mesh, list(leaf_meshes), norm_kind(p), pp_dim, pp_mesh, n_groups, with_state)
     return True
 
 
-def _join(mesh: DeviceMesh | None, group_name: str, kind: NormKind, n_groups: int, with_state: bool) -> None:
-    device = mesh_device(mesh)
-    stats = kind.poison(n_groups, device)
-    if with_state:
-        stats = torch.cat([stats, state_poison(device)])
-    funcol.wait_tensor(funcol.all_reduce(stats, kind.op, group_name))
+def _join(
+    mesh: Any, leaf_meshes: list, kind: NormKind, pp_dim: Any, pp_mesh: Any, n_groups: int, with_state: bool
+) -> None:
+    world = _world(mesh, leaf_meshes, pp_dim, pp_mesh)
+    if world is None or world.group_name is None:
+        return
+    stats = kind.poison(n_groups, mesh_device(world.mesh))
+    if with_state and carries_state(world):
+        stats = torch.cat([stats, state_poison(stats.device)])
+    funcol.wait_tensor(all_reduce_statistics(stats, kind, world))
 
 
 def reduce_partial(leaf: DTensor) -> DTensor:
