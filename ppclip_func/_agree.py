@@ -71,7 +71,7 @@ STATE_ENTRIES = 4
 _PRIME = 65521
 _WEIGHTS = ((7919, 1), (104729, 7))
 
-_REMEMBERED = 8  # configurations remembered per group and function, the latest ones
+_REMEMBERED = 64  # configurations remembered per group and function, the latest ones
 _VERIFIED: dict[tuple, list[tuple]] = {}  # (group name, option names) -> the option values every rank agreed on
 _OWNER: list[object] = [None]  # the default process group _VERIFIED was filled under
 
@@ -107,7 +107,7 @@ def check_options(world: World, options: Mapping[str, Any], tied: Mapping[str, i
 def _verify(group_name: str, rank_stage: dict[int, tuple[int, ...]], names: tuple[str, ...], values: tuple) -> None:
     _own_cache()
     seen = _VERIFIED.setdefault((group_name, names), [])
-    if any(_same(values, v) for v in seen):
+    if any(_same(values, v) for v in reversed(seen)):  # the latest first: a loop repeats its last call
         return
     _check(group_name, rank_stage, names, values)
     seen.append(_snapshot(values))
