@@ -1,60 +1,190 @@
-"""Steady-state cost of the static-option agreement check (issue 26): clip time with vs without it.
+"""What the ranks-agree checks cost in the steady state (issue 26): the clip with each check and without.
 
-One gloo rank (world group of 1, so the collective is real but local), 100
-plain fp32 leaves of 4096 with a group per leaf (the largest ``repr`` to hash
-per call); the check is switched off by making ``_agree.check_agree`` a no-op.
-Run: ``python -m bench.agree_cost``.
+* **Options** (``_agree.check_options``): after a configuration's first call
+  it is a comparison on the host with the configurations seen before.
+  Measured on the eager in-place clip of many small leaves, where host work
+  weighs most: ``clip_grad_norm_`` with and without ``groups``, and the
+  adaptive clip with ``param_norms=`` (a ``ParamIndex`` of every leaf).
+* **Adaptive state** (``_agree.state_entries``/``states_agree``): four more
+  float64 entries in the one all-reduce, a fingerprint of the state's bits,
+  and one ``torch._assert_async``. Measured eager and compiled (inductor).
+
+"Without" switches the check off in the library (a no-op ``check_options``;
+``carries_state`` false, so no entries and no assert), in the same process,
+interleaved round by round with "with" (``bench/_timing.interleaved``). Two
+gloo ranks (a one-rank world has no collective, so no state check), one
+torch thread each, a barrier before each timed call.
+
+Run: ``python -m bench.agree_cost`` (``--quick`` for a short run). Writes
+``bench/results/agree_cost.json``.
 """
 
 from __future__ import annotations
 
-import os
+import argparse
+import contextlib
+import json
+import pathlib
 import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-import ppclip_func._measure as measure_mod
-from ppclip_func import clip_grad_norm_
+import ppclip_func._measure as measure_module
+from bench._dist import spawn
+from bench._timing import interleaved, machine
+from ppclip_func import (
+    adaptive_clip_grad_norm,
+    adaptive_clip_grad_norm_,
+    clip_grad_norm_,
+    init_clip_state,
+    param_norm_index,
+)
+
+RESULTS = pathlib.Path(__file__).parent / "results" / "agree_cost.json"
 
 
-def _time(fn, n: int = 200) -> float:
-    for _ in range(20):
-        fn()
-    best = []
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best.append((time.perf_counter() - t) / n)
-    return min(best)
+@contextlib.contextmanager
+def checks_off():
+    """The library with neither check: no options comparison, no state entries in the all-reduce."""
+    saved = measure_module.check_options, measure_module.carries_state
+    measure_module.check_options = lambda *args, **kwargs: None
+    measure_module.carries_state = lambda world: False
+    try:
+        yield
+    finally:
+        measure_module.check_options, measure_module.carries_state = saved
+
+
+def _params(n: int, size: int) -> dict[str, torch.nn.Parameter]:
+    torch.manual_seed(0)
+    params = {f"layers.{i}.w": torch.nn.Parameter(torch.zeros(size)) for i in range(n)}
+    for p in params.values():
+        p.grad = torch.randn(size)
+    return params
+
+
+def _pair(call) -> dict:
+    """``call`` with the checks and without, as interleaved variants; the grads are reset by ``call``."""
+
+    def without():
+        with checks_off():
+            call()
+
+    return {"with": call, "without": without}
+
+
+def eager_cases(mesh, quick: bool) -> dict[str, dict]:
+    n, size = (100, 4096) if not quick else (50, 1024)
+    params = _params(n, size)
+    groups = {name: name for name in params}
+    index = param_norm_index(params, mesh)
+    big = 1e9  # nothing is scaled: every call sees the same grads
+
+    def adaptive():
+        adaptive_clip_grad_norm_(params, mesh, init_clip_state(), max_norm=big, param_norms=index)
+
+    return {
+        f"clip_grad_norm_, {n} leaves of {size}": _pair(lambda: clip_grad_norm_(params, mesh, big)),
+        f"clip_grad_norm_, {n} leaves of {size}, {n} groups": _pair(
+            lambda: clip_grad_norm_(params, mesh, big, groups=groups)
+        ),
+        f"adaptive_clip_grad_norm_ with param_norms, {n} leaves of {size}": _pair(adaptive),
+    }
+
+
+def _step_with(g, state, mesh):
+    return adaptive_clip_grad_norm(g, mesh, state, max_norm=1.0)
+
+
+def _step_without(g, state, mesh):  # the same, a code object of its own: dynamo caches graphs per code object
+    return adaptive_clip_grad_norm(g, mesh, state, max_norm=1.0)
+
+
+def compiled_case(mesh, quick: bool) -> tuple[str, dict, dict[str, float]]:
+    """The compiled functional adaptive clip, traced and run with the state check and without."""
+    n, size = (32, 65536) if not quick else (8, 4096)
+    grads = {name: p.grad for name, p in _params(n, size).items()}
+    state = init_clip_state()
+    torch._dynamo.reset()
+    fns = {"with": torch.compile(_step_with, fullgraph=True), "without": torch.compile(_step_without, fullgraph=True)}
+
+    def run(variant: str) -> float:
+        # Dynamo guards on the library's functions: "without" runs with the checks off, as it was traced.
+        with checks_off() if variant == "without" else contextlib.nullcontext():
+            return fns[variant](grads, state, mesh)[1].total_norm.item()
+
+    compile_seconds = {}
+    for variant in fns:
+        t0 = time.perf_counter()
+        run(variant)
+        compile_seconds[variant] = time.perf_counter() - t0
+    variants = {v: (lambda v=v: run(v)) for v in fns}
+    return f"compiled adaptive_clip_grad_norm, {n} leaves of {size}", variants, compile_seconds
+
+
+def alone(mesh, quick: bool) -> dict[str, float]:
+    """Microseconds per call of each check by itself, on its steady-state path (the options already seen)."""
+    from ppclip_func._agree import check_options, state_entries, state_fingerprint, states_agree
+    from ppclip_func._layout import pipeline_stages, resolve_world
+    from ppclip_func._measure import NormOptions, _static_options
+    from ppclip_func._norms import norm_kind
+
+    world = resolve_world(mesh, pipeline_stages(mesh, None, None), [])
+    kind = norm_kind(2.0)
+    n = 100 if not quick else 50
+    groups = {f"layers.{i}.w": f"layers.{i}.w" for i in range(n)}
+    out = {}
+    for name, opts in (("options, no groups", NormOptions()), (f"options, {n} groups", NormOptions(groups=groups))):
+        check_options(world, _static_options(kind, opts, None), None)  # first sight: the gather
+        reps = 2000
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            check_options(world, _static_options(kind, opts, None), None)
+        out[name] = 1e6 * (time.perf_counter() - t0) / reps
+    state = init_clip_state()
+    cpu = torch.device("cpu")
+    size = float(world.mesh.size())
+    reps = 500
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        f = state_fingerprint(state, cpu)
+        entries = state_entries(f, kind)
+        states_agree(entries * size, entries, f, kind, world, "a ClipState")  # what every rank agreeing sums to
+    out["adaptive state (ClipState), eager: fingerprint, entries, compare, assert"] = (
+        1e6 * (time.perf_counter() - t0) / reps
+    )
+    return out
+
+
+def _rank(rank: int, world: int, quick: bool) -> dict | None:
+    torch.set_num_threads(1)
+    runs = 7 if quick else 41
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    rows = []
+    cases = [*eager_cases(mesh, quick).items(), compiled_case(mesh, quick)[:2]]
+    for name, variants in cases:
+        t = interleaved(variants, runs=runs, warmup=3, barrier=dist.barrier)
+        rows.append(
+            {"case": name, "with_ms": t.ms("with"), "without_ms": t.ms("without"), "ratio": t.ratio("with", "without")}
+        )
+    solo = alone(mesh, quick)
+    return {"machine": machine(), "ranks": world, "runs": runs, "rows": rows, "alone_us": solo} if rank == 0 else None
 
 
 def main() -> None:
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29531")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
-    torch.set_num_threads(1)
-    params = [torch.nn.Parameter(torch.zeros(4096)) for _ in range(100)]
-    for p in params:
-        p.grad = torch.randn(4096)
-    for label, groups in (("no groups", None), ("100 groups", {str(i): str(i) for i in range(100)})):
-        named = dict(zip(map(str, range(100)), params, strict=True))
-
-        def clip(groups=groups, named=named):
-            return clip_grad_norm_(named, mesh, 1e9, groups=groups)
-
-        real = measure_mod.check_agree
-        with_check = _time(clip)
-        measure_mod.check_agree = lambda *a, **k: None
-        without = _time(clip)
-        measure_mod.check_agree = real
-        with_check2 = _time(clip)
-        w = min(with_check, with_check2)
-        print(f"{label}: with check {w * 1e6:.1f} us, without {without * 1e6:.1f} us, ratio {w / without:.3f}")
-    dist.destroy_process_group()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    result = spawn(_rank, 2, args.quick, timeout=1800)[0]
+    for name, us in result["alone_us"].items():
+        print(f"check alone, {name}: {us:.1f} us per call")
+    for r in result["rows"]:
+        print(f"{r['case']}: with {r['with_ms']:.3f} ms, without {r['without_ms']:.3f} ms, ratio {r['ratio']:.3f}")
+    if not args.quick:
+        RESULTS.parent.mkdir(exist_ok=True)
+        RESULTS.write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -286,10 +286,23 @@ def _moves_data(group_name: str) -> bool:
     return str(dist.get_backend(_group(group_name))) != "fake"
 
 
-def state_entries(state: Sequence[torch.Tensor], kind: NormKind, device: torch.device) -> torch.Tensor:
-    """Returns the :data:`STATE_ENTRIES` float64 values a rank adds to the reduced vector for ``state``."""
-    f = _fingerprint(state, device)
-    return torch.cat([f, f * f if kind.op == "sum" else -f])
+def state_fingerprint(state: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Two integers in ``[0, 65521)``, as float64 on ``device``, from the bits of ``state``'s tensors in order.
+
+    Each digit is a weighted sum of the state's 32-bit words (each taken
+    modulo the prime) modulo the prime, with weights that depend on the
+    word's position: any change of bits, or of order, changes both digits
+    but for a chance of one in 65521 each. Exact in int64: each product
+    is below 2**32.
+    """
+    words = torch.cat([_words(t).to(device) for t in state]).to(torch.int64).remainder(_PRIME)
+    return ((_weights(words.numel(), device) * words).sum(dim=1) % _PRIME).to(torch.float64)
+
+
+def state_entries(fingerprint: torch.Tensor, kind: NormKind) -> torch.Tensor:
+    """Returns the :data:`STATE_ENTRIES` values a rank adds to the reduced vector: ``f`` and ``f**2`` for a
+    sum, ``f`` and ``-f`` for a max or min."""
+    return torch.cat([fingerprint, fingerprint * fingerprint if kind.op == "sum" else -fingerprint])
 
 
 def state_poison(device: torch.device) -> torch.Tensor:
@@ -299,58 +312,60 @@ def state_poison(device: torch.device) -> torch.Tensor:
 
 
 def states_agree(
-    reduced: torch.Tensor, state: Sequence[torch.Tensor], kind: NormKind, world: World, what: str
+    reduced: torch.Tensor, entries: torch.Tensor, fingerprint: torch.Tensor, kind: NormKind, world: World, what: str
 ) -> torch.Tensor:
     """Returns a 0-dim bool, true iff every rank's state is this rank's; stops the step when it is not.
 
-    ``reduced`` is the reduced vector's last :data:`STATE_ENTRIES` values.
-    On CPU the stop is a :class:`StateDisagreement` raised here, naming the
-    ranks (found with one more gather, on this error path only); on CUDA a
-    device-side assert. Either way the same on every rank.
+    ``reduced`` is the reduced vector's last :data:`STATE_ENTRIES` values,
+    ``entries`` this rank's own (:func:`state_entries`). On CPU the stop is
+    a :class:`StateDisagreement` raised here, naming the ranks (found with
+    one more gather, on this error path only); on CUDA a device-side assert.
+    Either way the same on every rank.
     """
-    f = _fingerprint(state, reduced.device)
     if kind.op == "sum":
         assert world.mesh is not None
-        ranks = float(world.mesh.size())
-        expected = torch.cat([f * ranks, f * f * ranks])
-    else:
-        expected = torch.cat([f, -f])
-    agree = (reduced == expected).all() | reduced.isnan().any()
+        entries = entries * float(world.mesh.size())  # every rank's own, summed
+    # A NaN is a peer that failed before its statistics (release_peers): its own error says why.
+    agree = ((reduced == entries) | reduced.isnan()).all()
     message = f"ranks hold different {what}: {STATE_FIX}"
     try:
         torch._assert_async(agree, message)
     except RuntimeError:
         if torch.compiler.is_compiling():
             raise
-        raise StateDisagreement(f"{message} ({_state_ranks(world, f)})") from None
+        raise StateDisagreement(f"{message} ({_state_ranks(world, fingerprint)})") from None
     return agree
 
 
-def _state_ranks(world: World, f: torch.Tensor) -> str:
+def _state_ranks(world: World, fingerprint: torch.Tensor) -> str:
     """Which ranks' state differs from the first rank's: one gather, made by every rank (all of them are here)."""
     assert world.group_name is not None
-    table = _all_gather_rows(world.group_name, [int(x) for x in f.tolist()])
+    table = _all_gather_rows(world.group_name, [int(x) for x in fingerprint.tolist()])
     ranks = dist.get_process_group_ranks(_group(world.group_name))
     odd = [r for r, row in zip(ranks, table) if row != table[0]]
     return f"{_some(odd)} from rank {ranks[0]}"
 
 
-def _fingerprint(state: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Two integers in ``[0, 65521)`` (as float64) from the bits of ``state``'s tensors, in order."""
-    words = torch.cat([_words(t.to(device)) for t in state])
-    i = torch.arange(words.numel(), dtype=torch.int64, device=device)
-    # 16-bit words times weights below 2**16: each product below 2**32, their sum exact in int64.
-    digits = [(words * ((i * a + b) % _PRIME)).sum() % _PRIME for a, b in _WEIGHTS]
-    return torch.stack(digits).to(torch.float64)
-
-
-_BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-
-
 def _words(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bits as 16-bit words, in int64."""
+    """The tensor's bits as 32-bit words (a 2-byte or 1-byte element as one word)."""
     flat = t.detach().reshape(-1)
     if flat.dtype == torch.bool:
         flat = flat.to(torch.uint8)
-    bits = flat.contiguous().view(_BITS[flat.element_size()]).to(torch.int64)
-    return torch.stack([(bits >> s) & 0xFFFF for s in range(0, 8 * flat.element_size(), 16)], dim=-1).reshape(-1)
+    if flat.element_size() >= 4:
+        return flat.view(torch.int32)
+    return flat.view(torch.int16 if flat.element_size() == 2 else torch.uint8).to(torch.int32)
+
+
+_WEIGHT_CACHE: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _weights(n: int, device: torch.device) -> torch.Tensor:
+    """``(2, n)`` int64 position weights below the prime, one row per digit (cached eagerly; traced, made in
+    the graph)."""
+    if not torch.compiler.is_compiling() and (n, device) in _WEIGHT_CACHE:
+        return _WEIGHT_CACHE[n, device]
+    i = torch.arange(n, dtype=torch.int64, device=device)
+    weights = torch.stack([(i * a + b) % _PRIME for a, b in _WEIGHTS])
+    if not torch.compiler.is_compiling():
+        _WEIGHT_CACHE[n, device] = weights
+    return weights

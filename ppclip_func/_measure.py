@@ -18,7 +18,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ._agree import STATE_ENTRIES, carries_state, check_options, state_entries, states_agree
+from ._agree import STATE_ENTRIES, carries_state, check_options, state_entries, state_fingerprint, states_agree
 from ._layout import World, count_copies, pipeline_stages, resolve_world
 from ._local import STAT_DTYPE, leaf_statistics, local_statistics
 from ._norms import ABSENT, HAS_ELEMENT, HAS_LEAF, NormKind
@@ -107,12 +107,15 @@ def measure(
     n = len(labels) + 1
     checked = state is not None and carries_state(world)
     if checked:
-        stats = torch.cat([stats, state_entries(state, kind, stats.device)])
+        fingerprint = state_fingerprint(state, stats.device)
+        entries = state_entries(fingerprint, kind)
+        stats = torch.cat([stats, entries])
     reduced = all_reduce_statistics(stats, kind, world)
     agree = None
     if checked:
-        reduced, entries = reduced[:-STATE_ENTRIES], reduced[-STATE_ENTRIES:]
-        agree = states_agree(entries, state, kind, world, _STATE_NAMES.get(type(state).__name__, "adaptive states"))
+        what = _STATE_NAMES.get(type(state).__name__, "adaptive states")
+        reduced, theirs = reduced[:-STATE_ENTRIES], reduced[-STATE_ENTRIES:]
+        agree = states_agree(theirs, entries, fingerprint, kind, world, what)
     per_entry, total = kind.decode(reduced, per_group=bool(labels) or opts.params is not None, n_total=n)
     # Float64, as the reduced statistics: every rank holds these bits, whatever leaves it holds (a
     # stage's own dtypes would differ between stages), and a float64 model keeps a float64 norm.
@@ -147,7 +150,6 @@ def _static_options(kind: NormKind, opts: NormOptions, state: Any) -> dict[str, 
         "overflow_safe": opts.overflow_safe,
         "param_norms": opts.params.names if isinstance(opts.params, ParamIndex) else opts.params,
         "pp_dim": opts.pp_dim,
-        "the reduced vector's length": _n_entries(opts),
         "the adaptive state's type": type(state).__name__ if state is not None else None,
         **dict(opts.also_agree),
     }
