@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import ppclip_func._measure as measure_module
 from bench._dist import spawn
+from bench._shapes import gpt_shapes, make_grads, make_params, numel
 from bench._timing import interleaved, machine
 from ppclip_func import (
     adaptive_clip_grad_norm,
@@ -85,7 +86,18 @@ def eager_cases(mesh, quick: bool) -> dict[str, dict]:
     def adaptive():
         adaptive_clip_grad_norm_(params, mesh, init_clip_state(), max_norm=big, param_norms=index)
 
+    dim, layers = (768, 12) if not quick else (64, 2)
+    named = [name for name, _ in gpt_shapes(dim, layers, 50257 if not quick else 512, 1024 if not quick else 64)]
+    shapes = [shape for _, shape in gpt_shapes(dim, layers, 50257 if not quick else 512, 1024 if not quick else 64)]
+    gpt = dict(zip(named, make_params(make_grads(shapes, torch.float32)), strict=True))
+    gpt_name = f"{len(gpt)} leaves, {numel(shapes) / 1e6:.0f} M elements"
+
+    def adaptive_gpt():
+        adaptive_clip_grad_norm_(gpt, mesh, init_clip_state(), max_norm=big)
+
     return {
+        f"adaptive_clip_grad_norm_, GPT-2 shapes ({gpt_name})": _pair(adaptive_gpt),
+        f"clip_grad_norm_, GPT-2 shapes ({gpt_name})": _pair(lambda: clip_grad_norm_(gpt, mesh, big)),
         f"clip_grad_norm_, {n} leaves of {size}": _pair(lambda: clip_grad_norm_(params, mesh, big)),
         f"clip_grad_norm_, {n} leaves of {size}, {n} groups": _pair(
             lambda: clip_grad_norm_(params, mesh, big, groups=groups)

@@ -26,6 +26,7 @@ from ppclip_func import (
     ClipState,
     _agree,
     adagc_clip_grad_norm_,
+    adaptive_clip_grad_norm,
     adaptive_clip_grad_norm_,
     clip_grad_norm,
     clip_grad_norm_,
@@ -38,6 +39,7 @@ from ppclip_func import (
 from tests._cases import real_rank_test
 from tests._collectives import CollectiveCounter
 from tests._gather import gather_objects
+from tests.test_compile_fake_pg import CaptureBackend, assert_one_graph_one_collective, aten_ops
 
 WORLD = 4
 
@@ -340,6 +342,38 @@ def after_the_first_call_one_all_reduce_and_nothing_else(rank: int, world_size: 
     dist.barrier()
 
 
+def compiled_with_its_state_check_one_graph_one_all_reduce_no_host_read(rank: int, world_size: int) -> None:
+    mesh, _, params = _fresh()
+    grads = {n: p.grad for n, p in params.items()}
+    backend = CaptureBackend()
+    step = torch.compile(
+        lambda g, s: adaptive_clip_grad_norm(g, mesh, s, max_norm=1.0, warmup=2), backend=backend, fullgraph=True
+    )
+    state = init_clip_state()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(4):
+            _, stats = step(grads, state)
+            state = stats.state
+    assert int(state.count) == 4
+    assert_one_graph_one_collective(backend)  # and no host sync in it
+    assert any(op.startswith("aten::_assert_async") for op in aten_ops(backend.aten[0])), aten_ops(backend.aten[0])
+
+
+def inductor_keeps_every_gradient_when_the_states_differ(rank: int, world_size: int) -> None:
+    # Inductor may order the scaling before the assert: the step is a no-op by then (threshold inf).
+    mesh, _, params = _fresh()
+    state = init_clip_state()
+    if rank == 0:
+        state = state._replace(count=torch.tensor(3))
+    before = {n: p.grad.clone() for n, p in params.items()}
+    step = torch.compile(lambda: adaptive_clip_grad_norm_(params, mesh, state, max_norm=1e-3), fullgraph=True)
+    with pytest.raises(RuntimeError, match="ranks hold different adaptive clip states"):
+        step()
+    for n, p in params.items():
+        assert torch.equal(p.grad, before[n]), n
+    _in_step(mesh)
+
+
 CASES = [
     groups_built_from_each_stages_own_names,
     the_readme_fix_gives_each_stage_its_true_norm,
@@ -356,6 +390,8 @@ CASES = [
     an_adagc_state_that_differs_on_one_rank,
     the_same_state_steps_on,
     after_the_first_call_one_all_reduce_and_nothing_else,
+    compiled_with_its_state_check_one_graph_one_all_reduce_no_host_read,
+    inductor_keeps_every_gradient_when_the_states_differ,
 ]
 
 test_on_real_ranks = real_rank_test(CASES, WORLD, case_timeout=120.0)
