@@ -11,8 +11,12 @@ adds a collective to the steady state:
   gather and it cannot hang). Every rank then reads the same table and
   raises the same :class:`Disagreement`, naming each option and the ranks
   that differ, before the statistics collective and before any gradient is
-  scaled. The configuration is then remembered, as the pipeline-stage table
-  is: later calls compare it on the host and issue nothing. ``tied=`` is
+  scaled. The configuration is then remembered (the latest 64 per function
+  and group), as the pipeline-stage table is: later calls compare it on the
+  host and issue nothing. What this cannot see: a rank that goes back to a
+  configuration it used before while another meets a new one (the first
+  skips the gather the second makes); only a collective every step could.
+  ``tied=`` is
   per stage (a stage declares the tied leaves it holds): the ranks of one
   stage must agree on it, and across stages the declarations must pair up
   (a parameter tied to ``n`` stages is declared, with ``n``, on ``n`` of
@@ -61,12 +65,11 @@ STATE_FIX = (
 # (hash, tally, count), then one hash per option, padded. Fixed size, whatever a rank passed.
 _MAX_OPTIONS = 24
 _HEAD = ("the options passed (which clip function)", "stage", "tied", "tied tally", "tied count")
-_ROW = len(_HEAD) + _MAX_OPTIONS
 # A tied declaration with n stages adds _TALLY // n: exact for n <= 16; the stages' sum is a multiple
 # of _TALLY when every tied parameter is declared on as many stages as it says.
 _TALLY = 720720  # lcm(1, ..., 16)
 
-# The state fingerprint: two digits, each a weighted sum of the state's 16-bit words modulo a prime.
+# The state fingerprint: two digits, each a weighted sum of the state's 32-bit words modulo a prime.
 STATE_ENTRIES = 4
 _PRIME = 65521
 _WEIGHTS = ((7919, 1), (104729, 7))
