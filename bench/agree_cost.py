@@ -187,16 +187,18 @@ def _rank(rank: int, world: int, quick: bool) -> dict | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="small sizes, few rounds; writes only with --out")
+    parser.add_argument("--out", type=pathlib.Path, help=f"where agree_cost.json goes (default {RESULTS.parent})")
     args = parser.parse_args()
     result = spawn(_rank, 2, args.quick, timeout=1800)[0]
     for name, us in result["alone_us"].items():
         print(f"check alone, {name}: {us:.1f} us per call")
     for r in result["rows"]:
         print(f"{r['case']}: with {r['with_ms']:.3f} ms, without {r['without_ms']:.3f} ms, ratio {r['ratio']:.3f}")
-    if not args.quick:
-        RESULTS.parent.mkdir(exist_ok=True)
-        RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+    if args.out is not None or not args.quick:
+        out = (args.out or RESULTS.parent) / RESULTS.name
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({**result, "quick": args.quick}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -222,6 +222,20 @@ def test_gpu_study_runs_its_variants_on_the_cpu_at_smoke_size(tmp_path: pathlib.
     _positive_numbers(d["fraction_of_bound"], "gpu fraction_of_bound")
 
 
+def test_agree_cost_measures_both_checks_on_two_ranks(tmp_path: pathlib.Path):
+    cmd = [python(), "-m", "bench.agree_cost", "--quick", "--out", str(tmp_path)]
+    code, log, leftovers = run_bounded(cmd, 300)
+    assert not leftovers, f"processes left behind: {leftovers}"
+    assert code == 0, f"agree_cost exited with {code}:\n{log[-4000:]}"
+    data = json.loads((tmp_path / "agree_cost.json").read_text())
+    assert data["ranks"] == 2 and data["quick"] is True
+    cases = [row["case"] for row in data["rows"]]
+    assert any(c.startswith("adaptive_clip_grad_norm_") for c in cases) and any("compiled" in c for c in cases)
+    for row in data["rows"]:
+        _positive_numbers({k: row[k] for k in ("with_ms", "without_ms", "ratio")}, row["case"])
+    _positive_numbers(data["alone_us"], "check alone")
+
+
 def test_optimizer_schema_and_what_a_skipped_step_allocates(results: pathlib.Path):
     data = _load(results, "optimizer")
     assert {s["dtype"] for s in data["settings"]} == {"float32", "bfloat16"}
