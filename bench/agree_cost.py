@@ -116,8 +116,13 @@ def _step_without(g, state, mesh):  # the same, a code object of its own: dynamo
 
 def compiled_case(mesh, quick: bool) -> tuple[str, dict, dict[str, float]]:
     """The compiled functional adaptive clip, traced and run with the state check and without."""
-    n, size = (32, 65536) if not quick else (8, 4096)
-    grads = {name: p.grad for name, p in _params(n, size).items()}
+    if quick:
+        grads = {name: p.grad for name, p in _params(8, 4096).items()}
+        what = "8 leaves of 4096"
+    else:
+        shapes = gpt_shapes(768, 12, 50257, 1024)
+        grads = dict(zip([n for n, _ in shapes], make_grads([s for _, s in shapes], torch.float32), strict=True))
+        what = f"GPT-2 shapes ({len(grads)} leaves, {numel([s for _, s in shapes]) / 1e6:.0f} M elements)"
     state = init_clip_state()
     torch._dynamo.reset()
     fns = {"with": torch.compile(_step_with, fullgraph=True), "without": torch.compile(_step_without, fullgraph=True)}
@@ -133,7 +138,7 @@ def compiled_case(mesh, quick: bool) -> tuple[str, dict, dict[str, float]]:
         run(variant)
         compile_seconds[variant] = time.perf_counter() - t0
     variants = {v: (lambda v=v: run(v)) for v in fns}
-    return f"compiled adaptive_clip_grad_norm, {n} leaves of {size}", variants, compile_seconds
+    return f"compiled adaptive_clip_grad_norm, {what}", variants, compile_seconds
 
 
 def alone(mesh, quick: bool) -> dict[str, float]:

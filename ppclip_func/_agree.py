@@ -295,11 +295,11 @@ def state_fingerprint(state: Sequence[torch.Tensor], device: torch.device) -> to
     Each digit is a weighted sum of the state's 32-bit words (each taken
     modulo the prime) modulo the prime, with weights that depend on the
     word's position: any change of bits, or of order, changes both digits
-    but for a chance of one in 65521 each. Exact in int64: each product
-    is below 2**32.
+    but for a chance of one in 65521 each. Exact in float64: each product
+    is below 2**32 and their sum below 2**53 for up to 2**21 words.
     """
-    words = torch.cat([_words(t).to(device) for t in state]).to(torch.int64).remainder(_PRIME)
-    return ((_weights(words.numel(), device) * words).sum(dim=1) % _PRIME).to(torch.float64)
+    words = torch.cat([_words(t).to(device) for t in state]).remainder(_PRIME).to(torch.float64)
+    return (words @ _weights(words.numel(), device)).remainder(_PRIME)
 
 
 def state_entries(fingerprint: torch.Tensor, kind: NormKind) -> torch.Tensor:
@@ -316,8 +316,9 @@ def state_poison(device: torch.device) -> torch.Tensor:
 
 def states_agree(
     reduced: torch.Tensor, entries: torch.Tensor, fingerprint: torch.Tensor, kind: NormKind, world: World, what: str
-) -> torch.Tensor:
-    """Returns a 0-dim bool, true iff every rank's state is this rank's; stops the step when it is not.
+) -> torch.Tensor | None:
+    """Stops the step unless every rank's state is this rank's; returns that as a 0-dim bool for the caller
+    to guard its scaling with where the stop may come later (on CUDA, or compiled), else ``None``.
 
     ``reduced`` is the reduced vector's last :data:`STATE_ENTRIES` values,
     ``entries`` this rank's own (:func:`state_entries`). On CPU the stop is
@@ -337,7 +338,8 @@ def states_agree(
         if torch.compiler.is_compiling():
             raise
         raise StateDisagreement(f"{message} ({_state_ranks(world, fingerprint)})") from None
-    return agree
+    # Eagerly on the CPU the assert has raised or passed by now: nothing after it needs guarding.
+    return None if agree.device.type == "cpu" and not torch.compiler.is_compiling() else agree
 
 
 def _state_ranks(world: World, fingerprint: torch.Tensor) -> str:
@@ -363,12 +365,12 @@ _WEIGHT_CACHE: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
 def _weights(n: int, device: torch.device) -> torch.Tensor:
-    """``(2, n)`` int64 position weights below the prime, one row per digit (cached eagerly; traced, made in
-    the graph)."""
+    """``(n, 2)`` float64 position weights below the prime, one column per digit (cached eagerly; traced,
+    made in the graph)."""
     if not torch.compiler.is_compiling() and (n, device) in _WEIGHT_CACHE:
         return _WEIGHT_CACHE[n, device]
     i = torch.arange(n, dtype=torch.int64, device=device)
-    weights = torch.stack([(i * a + b) % _PRIME for a, b in _WEIGHTS])
+    weights = torch.stack([(i * a + b) % _PRIME for a, b in _WEIGHTS], dim=1).to(torch.float64)
     if not torch.compiler.is_compiling():
         _WEIGHT_CACHE[n, device] = weights
     return weights

@@ -57,6 +57,9 @@ class Measured:
     ``reduced`` is the all-reduced statistics vector itself (``NormKind.encode``'s
     layout: groups, the leaves in none, parameters; then their levels), for a
     capability that combines entries of its own (a total over some groups).
+    ``agree`` (with an adaptive state, where the stop on a disagreement may
+    come after the scaling: on CUDA, or compiled) is whether every rank held
+    the same state; the caller makes its step a no-op where it is false.
     """
 
     leaves: Leaves
@@ -110,7 +113,9 @@ def measure(
         fingerprint = state_fingerprint(state, stats.device)
         entries = state_entries(fingerprint, kind)
         stats = torch.cat([stats, entries])
-    reduced = all_reduce_statistics(stats, kind, world)
+    # Waited for at once, in eager mode: everything after reads it, and every op on the collective's
+    # AsyncCollectiveTensor would go through its Python __torch_dispatch__ (~0.1 ms each on a CPU).
+    reduced = _plain(all_reduce_statistics(stats, kind, world))
     agree = None
     if checked:
         what = _STATE_NAMES.get(type(state).__name__, "adaptive states")
@@ -119,9 +124,9 @@ def measure(
     per_entry, total = kind.decode(reduced, per_group=bool(labels) or opts.params is not None, n_total=n)
     # Float64, as the reduced statistics: every rank holds these bits, whatever leaves it holds (a
     # stage's own dtypes would differ between stages), and a float64 model keeps a float64 norm.
-    groups = {label: _plain(per_entry[i]) for i, label in enumerate(labels)} if labels else {}
-    per_param = _plain(per_entry[n:]) if opts.params is not None else None
-    return Measured(leaves, _plain(total), groups, per_param, reduced, agree)
+    groups = {label: per_entry[i] for i, label in enumerate(labels)} if labels else {}
+    per_param = per_entry[n:] if opts.params is not None else None
+    return Measured(leaves, total, groups, per_param, reduced, agree)
 
 
 _STATE_NAMES = {
@@ -131,9 +136,9 @@ _STATE_NAMES = {
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a plain tensor: in eager mode a norm that is a view of the reduced vector (the total
-    of ``p=1``, ``0``) is still the collective's ``AsyncCollectiveTensor``; waiting for it costs
-    nothing here, as the decode has read the vector already. (Traced, there is no such wrapper.)"""
+    """``t`` as a plain tensor: in eager mode the collective returns an ``AsyncCollectiveTensor``, which
+    waits when first read; nothing in the clip can overlap with it, so it is waited for at once.
+    (Traced, there is no such wrapper.)"""
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
