@@ -10,8 +10,9 @@ It is ``torch.distributed._functional_collectives.all_reduce`` over the
 process group that spans the world mesh:
 
 * in eager mode it launches the collective and returns an
-  ``AsyncCollectiveTensor``; the first op that reads the result waits for it,
-  so the clip never blocks the host on the network by itself;
+  ``AsyncCollectiveTensor``, which ``_measure`` waits for at once: nothing in
+  the clip can run before the result is needed, and every op on the wrapper
+  would go through its Python ``__torch_dispatch__``;
 * under ``torch.compile`` it traces to one ``_c10d_functional.all_reduce`` and
   one ``_c10d_functional.wait_tensor`` node, with no graph break, and the
   group appears in the graph only by name (the world group's name is the same
