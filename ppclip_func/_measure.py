@@ -18,7 +18,15 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ._agree import STATE_ENTRIES, carries_state, check_options, state_entries, state_fingerprint, states_agree
+from ._agree import (
+    STATE_ENTRIES,
+    Disagreement,
+    carries_state,
+    check_options,
+    state_entries,
+    state_fingerprint,
+    states_agree,
+)
 from ._layout import World, count_copies, pipeline_stages, resolve_world
 from ._local import STAT_DTYPE, leaf_statistics, local_statistics
 from ._norms import ABSENT, HAS_ELEMENT, HAS_LEAF, NormKind
@@ -98,35 +106,55 @@ def measure(
     ``ClipState`` or ``AdaGCState``) rides in the one collective as a
     fingerprint; :attr:`Measured.agree` says whether every rank held the same.
     """
-    world = arguments_world(mesh, given, opts.pp_dim, opts.pp_mesh)
-    if world is not None:
-        check_options(world, _static_options(kind, opts, state), opts.tied)
+    options = _static_options(kind, opts, state)
+    checked: list[bool] = [False]
+
+    def agree(world: World) -> None:
+        check_options(world, options, opts.tied)
+        checked[0] = True
+
+    if mesh is not None and (world := arguments_world(mesh, None, opts.pp_dim, opts.pp_mesh)) is not None:
+        agree(world)  # else the clip raises why, on every rank of that mesh alike
     try:
         leaves = flatten_grads(read_grads(), what)
-        world, stats, labels = _local_part(leaves, mesh, kind, opts)
+        # With mesh=None the leaves name the world: checked there, before partial="reduce"'s collectives.
+        world, stats, labels = _local_part(leaves, mesh, kind, opts, agree if mesh is None else None)
+    except Disagreement:
+        raise  # every rank raises it, before any other collective
     except Exception:
-        release_peers(mesh, given, kind, opts.pp_dim, opts.pp_mesh, _n_entries(opts), with_state=state is not None)
+        # A rank that fails before its options check still takes part in it (its peers may be in the
+        # gather), then in the statistics all-reduce.
+        release_peers(
+            mesh,
+            given,
+            kind,
+            opts.pp_dim,
+            opts.pp_mesh,
+            _n_entries(opts),
+            with_state=state is not None,
+            options=None if checked[0] else (options, opts.tied),
+        )
         raise
     n = len(labels) + 1
-    checked = state is not None and carries_state(world)
-    if checked:
+    with_state = state is not None and carries_state(world)
+    if with_state:
         fingerprint = state_fingerprint(state, stats.device)
         entries = state_entries(fingerprint, kind)
         stats = torch.cat([stats, entries])
     # Waited for at once, in eager mode: everything after reads it, and every op on the collective's
     # AsyncCollectiveTensor would go through its Python __torch_dispatch__ (~0.1 ms each on a CPU).
     reduced = _plain(all_reduce_statistics(stats, kind, world))
-    agree = None
-    if checked:
+    same_state = None
+    if with_state:
         what = _STATE_NAMES.get(type(state).__name__, "adaptive states")
         reduced, theirs = reduced[:-STATE_ENTRIES], reduced[-STATE_ENTRIES:]
-        agree = states_agree(theirs, entries, fingerprint, kind, world, what)
+        same_state = states_agree(theirs, entries, fingerprint, kind, world, what)
     per_entry, total = kind.decode(reduced, per_group=bool(labels) or opts.params is not None, n_total=n)
     # Float64, as the reduced statistics: every rank holds these bits, whatever leaves it holds (a
     # stage's own dtypes would differ between stages), and a float64 model keeps a float64 norm.
     groups = {label: per_entry[i] for i, label in enumerate(labels)} if labels else {}
     per_param = per_entry[n:] if opts.params is not None else None
-    return Measured(leaves, total, groups, per_param, reduced, agree)
+    return Measured(leaves, total, groups, per_param, reduced, same_state)
 
 
 _STATE_NAMES = {
@@ -170,9 +198,16 @@ def _n_entries(opts: NormOptions) -> int:
 
 
 def _local_part(
-    leaves: Leaves, mesh: DeviceMesh | None, kind: NormKind, opts: NormOptions
+    leaves: Leaves,
+    mesh: DeviceMesh | None,
+    kind: NormKind,
+    opts: NormOptions,
+    on_world: Callable[[World], None] | None = None,
 ) -> tuple[World, torch.Tensor, list[str]]:
-    """Returns the world, this rank's encoded statistics and the group labels; no collective but ``partial``'s."""
+    """Returns the world, this rank's encoded statistics and the group labels; no collective but ``partial``'s.
+
+    ``on_world`` is called with the world as soon as it is known, before ``partial``'s collectives.
+    """
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
     if opts.partial not in PARTIAL_POLICIES:
@@ -185,13 +220,16 @@ def _local_part(
 
     names = leaves.names() if (opts.groups or opts.tied) else None
     tensors, shards = list(leaves.tensors), list(leaves.shards)
+    # A Partial leaf reduced below keeps its mesh: the world is known before.
+    leaf_meshes = [t.device_mesh for t in tensors if isinstance(t, DTensor)] if leaves.has_dtensor else []
+    world = resolve_world(mesh, stages, leaf_meshes)
+    if on_world is not None:
+        on_world(world)
     if opts.partial == "reduce":
         for i, t in enumerate(tensors):
             if isinstance(t, DTensor) and any(p.is_partial() for p in t.placements):
                 tensors[i] = _for_leaf(leaves, i, reduce_partial, t)
                 shards[i] = tensors[i].to_local()
-    leaf_meshes = [t.device_mesh for t in tensors if isinstance(t, DTensor)] if leaves.has_dtensor else []
-    world = resolve_world(mesh, stages, leaf_meshes)
     tied_n = tied_stages(names, opts.tied) if names is not None else None
     if not leaf_meshes and tied_n is None:
         # Plain, untied tensors: each is held by every rank of its stage (no per-leaf call on 10^4 leaves).

@@ -25,6 +25,7 @@ afterwards is the same arithmetic on the same bits.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils import _pytree as pytree
 
-from ._agree import carries_state, state_poison
+from ._agree import carries_state, check_options, state_poison
 from ._layout import World, pipeline_stages, resolve_world
 from ._norms import NormKind, norm_kind
 
@@ -110,6 +111,7 @@ def release_peers(
     pp_mesh: Any,
     n_groups: int,
     with_state: bool = False,
+    options: tuple[Mapping[str, Any], Any] | None = None,
 ) -> None:
     """Joins the statistics all-reduce with a poison that makes every group's norm NaN on every rank.
 
@@ -134,8 +136,13 @@ def release_peers(
         n_groups: Number of groups, including the one for leaves in no group.
         with_state: The call carries an adaptive state's fingerprint
             (``_agree``): its entries are joined with NaN, which lets them pass.
+        options: ``(options, tied)`` when this rank failed before its options
+            check (``_agree.check_options``): it takes part in that check
+            first, as its peers do (and raises its ``Disagreement`` if any).
     """
     leaf_meshes = _leaf_meshes(mesh, grads)
+    if options is not None and (world := _world(mesh, leaf_meshes, pp_dim, pp_mesh)) is not None:
+        check_options(world, *options)
     if torch.compiler.is_compiling():
         _join_at_trace_time(mesh, tuple(leaf_meshes), kind.p, pp_dim, pp_mesh, n_groups, with_state)
     else:

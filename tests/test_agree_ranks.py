@@ -251,6 +251,30 @@ def with_mesh_none_the_dtensor_leaves_name_the_world(rank: int, world_size: int)
         assert torch.equal(grads["w"].to_local(), torch.ones(4))
 
 
+def with_mesh_none_a_rank_that_fails_first_still_takes_part_in_the_check(rank: int, world_size: int) -> None:
+    # With mesh=None the check comes once the leaves have named the world; rank 1 fails before that (a
+    # bad leaf), so it takes part in the check from its failure path, then in the all-reduce.
+    mesh, stage, _ = _fresh()
+    grads = {"w": DTensor.from_local(torch.ones(4), mesh["dp"], [Replicate()], run_check=False)}
+    if rank == 1:
+        grads["step"] = torch.ones(1, dtype=torch.int64)
+    if rank == 1:
+        with pytest.raises(TypeError, match=r"leaf \['step'\] has dtype torch.int64"):
+            clip_grad_norm(grads, None, 0.1)
+    else:
+        _, total = clip_grad_norm(grads, None, 0.1)
+        assert math.isnan(float(total)) if stage == 0 else float(total) == pytest.approx(2.0)
+    # The same, with rank 1's options differing too: both ranks of its world raise the disagreement.
+    _agree._VERIFIED.clear()
+    p = 1.0 if rank == 1 else 2.0
+    if stage == 0:
+        with pytest.raises(ValueError, match=r"norm_type \(rank 1 differs from rank 0\)"):
+            clip_grad_norm(grads, None, 0.1, norm_type=p)
+    else:
+        assert float(clip_grad_norm(grads, None, 0.1, norm_type=p)[1]) == pytest.approx(2.0)
+    _in_step(mesh)
+
+
 def different_functions_on_different_ranks(rank: int, world_size: int) -> None:
     mesh, _stage, params = _fresh()
 
@@ -385,6 +409,7 @@ CASES = [
     tied_declared_on_both_stages_is_fine,
     exclude_and_group_thresholds,
     with_mesh_none_the_dtensor_leaves_name_the_world,
+    with_mesh_none_a_rank_that_fails_first_still_takes_part_in_the_check,
     different_functions_on_different_ranks,
     a_clip_state_from_another_step_on_one_rank,
     an_adagc_state_that_differs_on_one_rank,
