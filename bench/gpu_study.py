@@ -39,8 +39,13 @@ from bench._shapes import llama3_8b_shapes
 NAME = "gpu"
 
 
-def run(quick: bool = False, out: pathlib.Path | None = None, device: str = "cuda") -> dict:
-    """Measures every variant in bf16 on ``device``; writes ``<out>/gpu.json`` and returns it."""
+def run(quick: bool = False, out: pathlib.Path | None = None, device: str = "cuda", sweep: str | None = None) -> dict:
+    """Measures every variant in bf16 on ``device``; writes ``<out>/gpu.json`` and returns it.
+
+    ``sweep`` is study 9's size here: ``"full"``, ``"quick"`` or ``"none"``
+    (default: quick with ``quick``, else full; the full sweep compiles 32
+    points with inductor, longer than a short GPU lease).
+    """
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("the GPU study needs CUDA (torch.cuda.is_available() is False)")
     layers, scale = (2, 64) if quick else (32, 1)
@@ -54,8 +59,12 @@ def run(quick: bool = False, out: pathlib.Path | None = None, device: str = "cud
     if torch.device(device).type == "cuda":
         result["cpu_offload"] = _cpu_offload_check()
     # Study 9's sweep on the same device: compiled and eager, leaf counts and sizes (sweep_cuda.json).
-    sweep = sweep_study.run(quick=quick, out=out, device=device)
-    result["sweep"] = {"study": sweep["study"], "points": sum(len(v) for v in sweep["series"].values())}
+    sweep = sweep or ("quick" if quick else "full")
+    if sweep == "none":
+        result["sweep"] = {"study": None, "points": 0, "why": "not run (--sweep none)"}
+    else:
+        swept = sweep_study.run(quick=sweep == "quick", out=out, device=device)
+        result["sweep"] = {"study": swept["study"], "points": sum(len(v) for v in swept["series"].values())}
     write_result(result, out)
     return result
 
@@ -82,8 +91,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 small blocks, aot_eager: a smoke test")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    parser.add_argument("--sweep", choices=("full", "quick", "none"), help="study 9 here (default: as --quick)")
     args = parser.parse_args()
-    r = run(quick=args.quick, out=args.out, device=args.device)
+    r = run(quick=args.quick, out=args.out, device=args.device, sweep=args.sweep)
     print(f"{r['device']}: {r['model']['params'] / 1e9:.2f} G bf16 params in {r['model']['leaves']} leaves")
     bandwidth_study.print_result(r)
 
