@@ -48,7 +48,7 @@ from ._measure import Measured, NormOptions, PpDim, measure
 from ._norms import norm_kind
 from ._params import ParamIndex, leaf_slots
 from ._paths import GroupSpec, TiedSpec
-from ._scale import _by_device_and_dtype, finite_mask, multiply_group, own_buffer
+from ._scale import _by_device_and_dtype, factor_for, finite_mask, multiply_group, own_buffer
 
 __all__ = ["AdaGCState", "AdaGCStats", "adagc_clip_grad_norm", "adagc_clip_grad_norm_", "init_adagc_state"]
 
@@ -199,7 +199,7 @@ def scale_per_leaf(
             c = c[torch.tensor(idx, device=device)]
         # Traced, the whole rule (norms, gamma, divisions) would otherwise be inlined into every element's
         # multiply (GPT-2 shapes: 1.5x the plain clip's time).
-        c = own_buffer(c)
+        c = factor_for(own_buffer(c), device, dtype)
         multiply_group(shards, out, group, idx, list(c.unbind()), keep, inplace=inplace)
     return out
 

@@ -88,6 +88,27 @@ def finite_mask(total_norm: torch.Tensor, norm_type: float | None, nonfinite: st
     return None
 
 
+# Devices whose _foreach_mul_ keeps its fast multi-tensor kernel only for a factor of the tensors' own
+# dtype: bf16/fp16 tensors times a float32 0-dim tensor fall back to a generic kernel per tensor (CUDA,
+# torch 2.11, H200, 114 leaves of 3.3 G bf16 elements: 12.6 ms against 4.7 ms with a bf16 factor).
+SAME_DTYPE_FACTOR = frozenset({"cuda"})
+_ROUNDED = (torch.bfloat16, torch.float16)
+
+
+def factor_for(factor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``factor`` as the multiply of ``dtype`` tensors on ``device`` takes it fastest.
+
+    Eagerly on a :data:`SAME_DTYPE_FACTOR` device, bf16 and fp16 grads are
+    multiplied by the factor rounded to their dtype, as torch's own clip
+    does (the clipped norm is then within 2**-8 of its target, relative, for
+    bf16); elsewhere, and compiled (inductor computes the product in float32
+    in registers), by the float32 factor: one rounding, of the product.
+    """
+    if dtype in _ROUNDED and device.type in SAME_DTYPE_FACTOR and not torch.compiler.is_compiling():
+        return factor.to(dtype)
+    return factor
+
+
 def scale(
     tensors: list[torch.Tensor],
     coefficient: Callable[[torch.dtype], torch.Tensor],
@@ -112,7 +133,8 @@ def scale(
     Returns:
         The scaled tensors in input order (the inputs themselves when
         ``inplace``). Each keeps its dtype: the product is computed in the
-        higher precision of the pair and rounded once.
+        higher precision of the pair and rounded once (but see
+        :func:`factor_for`: eager bf16/fp16 on CUDA).
     """
     out: list[torch.Tensor] = list(tensors)
     coefs: dict[torch.dtype, torch.Tensor] = {}
@@ -120,7 +142,8 @@ def scale(
         compute = torch.float64 if dtype == torch.float64 else torch.float32
         if compute not in coefs:
             coefs[compute] = own_buffer(coefficient(compute))
-        multiply_group(tensors, out, group, idx, coefs[compute].to(device), keep, inplace=inplace)
+        factor = factor_for(coefs[compute].to(device), device, dtype)
+        multiply_group(tensors, out, group, idx, factor, keep, inplace=inplace)
     return out
 
 
