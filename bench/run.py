@@ -131,9 +131,11 @@ def main(argv: list[str] | None = None) -> int:
         found = {
             name: json.loads((args.out / f"{name}.json").read_text())
             for name in STUDIES
-            if name != "gpu" and (args.out / f"{name}.json").exists()
+            if (args.out / f"{name}.json").exists()
         }
-        notes = {} if torch.cuda.is_available() else {"gpu": _gpu_not_measured(args.out)}
+        if not found.get("gpu", {}).get("measured"):  # a GPU run's gpu.json (from a GPU machine) is kept
+            found.pop("gpu", None)
+        notes = {} if "gpu" in found else {"gpu": _gpu_not_measured(args.out)}
         summary = _report.summary(found, notes, False, {})
         (args.out / "summary.md").write_text(summary)
         print(summary)
