@@ -298,7 +298,9 @@ def state_fingerprint(state: Sequence[torch.Tensor], device: torch.device) -> to
     but for a chance of one in 65521 each. Exact in float64: each product
     is below 2**32 and their sum below 2**53 for up to 2**21 words.
     """
-    words = torch.cat([_words(t).to(device) for t in state]).remainder(_PRIME).to(torch.float64)
+    parts = [_words(t) for t in state]
+    words = torch.cat([w if w.device == device else w.to(device) for w in parts]).remainder(_PRIME)
+    words = words.to(torch.float64)
     return (words @ _weights(words.numel(), device)).remainder(_PRIME)
 
 
@@ -353,7 +355,7 @@ def _state_ranks(world: World, fingerprint: torch.Tensor) -> str:
 
 def _words(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bits as 32-bit words (a 2-byte or 1-byte element as one word)."""
-    flat = t.detach().reshape(-1)
+    flat = (t.detach() if t.requires_grad else t).reshape(-1)
     if flat.dtype == torch.bool:
         flat = flat.to(torch.uint8)
     if flat.element_size() >= 4:
