@@ -320,15 +320,25 @@ def a_clip_state_from_another_step_on_one_rank(rank: int, world_size: int) -> No
 
 
 def an_adagc_state_that_differs_on_one_rank(rank: int, world_size: int) -> None:
-    mesh, _stage, params = _fresh()
+    mesh, _, params = _fresh()
     index = param_norm_index(params, mesh)
     state = init_adagc_state(index)
     if rank == 1:
         state = state._replace(gamma=state.gamma.clone().fill_(0.5))
-    before = {n: p.grad.clone() for n, p in params.items()}
-    with pytest.raises(_agree.StateDisagreement, match=r"AdaGC states .* \(rank 1 differs from rank 0\)"):
-        adagc_clip_grad_norm_(params, mesh, state, index, max_norm=0.01)
-    assert all(torch.equal(p.grad, before[n]) for n, p in params.items())
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        before = {n: p.grad.clone() for n, p in params.items()}
+
+        def call():
+            return adagc_clip_grad_norm_(params, mesh, state, index, max_norm=0.01)
+
+        fn = torch.compile(call, backend="aot_eager", fullgraph=True) if compiled else call
+        with pytest.raises(RuntimeError, match=r"ranks hold different AdaGC states") as caught:
+            fn()
+        if not compiled:
+            assert isinstance(caught.value, _agree.StateDisagreement)
+            assert "(rank 1 differs from rank 0)" in str(caught.value), str(caught.value)
+        assert all(torch.equal(p.grad, before[n]) for n, p in params.items())
     _in_step(mesh)
 
 
