@@ -13,9 +13,10 @@ adds a collective to the steady state:
   that differ, before the statistics collective and before any gradient is
   scaled. The configuration is then remembered (the latest 64 per function
   and group), as the pipeline-stage table is: later calls compare it on the
-  host and issue nothing. What this cannot see: a rank that goes back to a
-  configuration it used before while another meets a new one (the first
-  skips the gather the second makes); only a collective every step could.
+  host and issue nothing. What this cannot see: one rank meeting a new
+  configuration while another repeats one it remembers (the first gathers,
+  the second goes on to the all-reduce, and they hang until the backend's
+  timeout); only a collective every step could.
   ``tied=`` is
   per stage (a stage declares the tied leaves it holds): the ranks of one
   stage must agree on it, and across stages the declarations must pair up
@@ -70,9 +71,10 @@ _HEAD = ("the options passed (which clip function)", "stage", "tied", "tied tall
 _TALLY = 720720  # lcm(1, ..., 16)
 
 # The state fingerprint: two digits, each a weighted sum of the state's 32-bit words modulo a prime.
-STATE_ENTRIES = 4
 _PRIME = 65521
 _WEIGHTS = ((7919, 1), (104729, 7))
+STATE_ENTRIES = 2 * len(_WEIGHTS)
+_ASSERTS = frozenset({"cpu", "cuda"})  # devices with a torch._assert_async kernel
 
 _REMEMBERED = 64  # configurations remembered per group and function, the latest ones
 _VERIFIED: dict[tuple, list[tuple]] = {}  # (group name, option names) -> the option values every rank agreed on
@@ -102,31 +104,39 @@ def check_options(world: World, options: Mapping[str, Any], tied: Mapping[str, i
     if torch.compiler.is_compiling():
         # The options are constants of the graph (dynamo guards on them). A rank may retrace alone (a guard
         # that fails on it only): the remembered configurations keep it from gathering alone then.
-        _verify_at_trace_time(world.group_name, world.rank_stage, names, values)
+        _verify_at_trace_time(world.group_name, _device_type(world), world.rank_stage, names, values)
     else:
-        _verify(world.group_name, world.rank_stage, names, values)
+        _verify(world.group_name, _device_type(world), world.rank_stage, names, values)
 
 
-def _verify(group_name: str, rank_stage: dict[int, tuple[int, ...]], names: tuple[str, ...], values: tuple) -> None:
+def _device_type(world: World) -> str:
+    return world.mesh.device_type if world.mesh is not None else "cpu"
+
+
+def _verify(
+    group_name: str, device_type: str, rank_stage: dict[int, tuple[int, ...]], names: tuple[str, ...], values: tuple
+) -> None:
     _own_cache()
     seen = _VERIFIED.setdefault((group_name, names), [])
     if any(_same(values, v) for v in reversed(seen)):  # the latest first: a loop repeats its last call
         return
-    _check(group_name, rank_stage, names, values)
+    _check(group_name, device_type, rank_stage, names, values)
     seen.append(_snapshot(values))
     del seen[:-_REMEMBERED]
 
 
 @torch.compiler.assume_constant_result
-def _verify_at_trace_time(group_name: str, rank_stage: dict, names: tuple, values: tuple) -> bool:
+def _verify_at_trace_time(group_name: str, device_type: str, rank_stage: dict, names: tuple, values: tuple) -> bool:
     # Dynamo runs this eagerly with the real arguments; the gather is made outside the fake mode.
     # Raised here, torch.compile(fullgraph=True) raises it as the cause of its InternalTorchDynamoError.
     with torch._subclasses.fake_tensor.unset_fake_temporarily():
-        _verify(group_name, rank_stage, names, values)
+        _verify(group_name, device_type, rank_stage, names, values)
     return True
 
 
-def _check(group_name: str, rank_stage: dict[int, tuple[int, ...]], names: tuple[str, ...], values: tuple) -> None:
+def _check(
+    group_name: str, device_type: str, rank_stage: dict[int, tuple[int, ...]], names: tuple[str, ...], values: tuple
+) -> None:
     if not _moves_data(group_name):
         return  # torch's fake process group (a test tool) gathers nothing: there is nothing to compare
     *options, tied = values
@@ -135,7 +145,7 @@ def _check(group_name: str, rank_stage: dict[int, tuple[int, ...]], names: tuple
     rank = dist.get_rank()
     row = [_hash(names), _hash(rank_stage.get(rank)), _hash(tied), tally, len(decl)]
     row += [_hash(v) for v in options] + [0] * (_MAX_OPTIONS - len(options))
-    table = _all_gather_rows(group_name, row)
+    table = _all_gather_rows(group_name, row, device_type)
     if problems := _problems(table, names, dist.get_process_group_ranks(_group(group_name)), rank_stage):
         raise Disagreement(f"ranks disagree on {'; '.join(problems)}: {FIX}")
 
@@ -174,15 +184,15 @@ def _problems(
     return problems
 
 
-def _all_gather_rows(group_name: str, row: list[int]) -> list[list[int]]:
+def _all_gather_rows(group_name: str, row: list[int], device_type: str) -> list[list[int]]:
+    """Every rank's ``row``, in group rank order, on the device the world mesh's backend uses."""
     group = _group(group_name)
     size = dist.get_world_size(group)
-    device = torch.device("cpu")
-    if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = torch.device(device_type)
+    if device_type != "cpu":
+        device = torch.device(device_type, getattr(torch, device_type).current_device())
     mine = torch.tensor(row, dtype=torch.int64, device=device)
-    # Filled with this rank's own row first: a backend that moves no data (the fake one) agrees.
-    table = mine.repeat(size)
+    table = torch.empty(size * len(row), dtype=torch.int64, device=device)
     dist.all_gather_into_tensor(table, mine, group=group)
     return table.view(size, -1).tolist()
 
@@ -224,6 +234,8 @@ def _text(value: Any) -> str:
         return type(value).__name__ + "(" + ", ".join(map(_text, value)) + ")"
     if isinstance(value, torch.Tensor):
         return "<tensor>"  # a value on the device: not a static option
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return repr(float(value))  # eps=0 and eps=0.0 are the same option
     if callable(value) and not isinstance(value, type):
         return f"<callable {getattr(value, '__module__', '')}.{getattr(value, '__qualname__', type(value).__name__)}>"
     return repr(value)
@@ -293,10 +305,14 @@ def state_fingerprint(state: Sequence[torch.Tensor], device: torch.device) -> to
     """Two integers in ``[0, 65521)``, as float64 on ``device``, from the bits of ``state``'s tensors in order.
 
     Each digit is a weighted sum of the state's 32-bit words (each taken
-    modulo the prime) modulo the prime, with weights that depend on the
-    word's position: any change of bits, or of order, changes both digits
-    but for a chance of one in 65521 each. Exact in float64: each product
-    is below 2**32 and their sum below 2**53 for up to 2**21 words.
+    modulo the prime) modulo the prime, with non-zero weights that depend on
+    the word's position. A change of one word is seen by both digits unless
+    it is a multiple of 65521 (its residue is what counts); a change of
+    several words escapes both only by a coincidence of two linear sums
+    modulo the prime. Bits are compared, so the ranks' states must be equal
+    to the bit, as they are when every rank computes them with the same
+    ops from the same reduced norm. Exact in float64: each product is below
+    2**32 and their sum below 2**53 for up to 2**21 words.
     """
     parts = [_words(t) for t in state]
     words = torch.cat([w if w.device == device else w.to(device) for w in parts]).remainder(_PRIME)
@@ -317,37 +333,48 @@ def state_poison(device: torch.device) -> torch.Tensor:
 
 
 def states_agree(
-    reduced: torch.Tensor, entries: torch.Tensor, fingerprint: torch.Tensor, kind: NormKind, world: World, what: str
+    reduced: torch.Tensor,
+    entries: torch.Tensor,
+    fingerprint: torch.Tensor,
+    total: torch.Tensor,
+    kind: NormKind,
+    world: World,
+    what: str,
 ) -> torch.Tensor | None:
     """Stops the step unless every rank's state is this rank's; returns that as a 0-dim bool for the caller
     to guard its scaling with where the stop may come later (on CUDA, or compiled), else ``None``.
 
     ``reduced`` is the reduced vector's last :data:`STATE_ENTRIES` values,
-    ``entries`` this rank's own (:func:`state_entries`). On CPU the stop is
-    a :class:`StateDisagreement` raised here, naming the ranks (found with
-    one more gather, on this error path only); on CUDA a device-side assert.
-    Either way the same on every rank.
+    ``entries`` this rank's own (:func:`state_entries`). A NaN ``total`` lets
+    the step pass: a peer failed before its statistics (``release_peers``;
+    its own error says why; a max/min all-reduce may drop its NaN entries, the
+    norm's levels keep it) or a gradient is NaN, and the step is not taken.
+    The stop: eagerly on the CPU a :class:`StateDisagreement` raised here,
+    naming the ranks (one more gather, on this error path only, where every
+    rank is); on CUDA and compiled ``torch._assert_async`` (on CUDA a
+    device-side assert: the process must be restarted).
     """
     if kind.op == "sum":
         assert world.mesh is not None
         entries = entries * float(world.mesh.size())  # every rank's own, summed
-    # A NaN is a peer that failed before its statistics (release_peers): its own error says why.
-    agree = ((reduced == entries) | reduced.isnan()).all()
+    agree = (reduced == entries).all() | total.isnan()
     message = f"ranks hold different {what}: {STATE_FIX}"
-    try:
-        torch._assert_async(agree, message)
-    except RuntimeError:
-        if torch.compiler.is_compiling():
-            raise
-        raise StateDisagreement(f"{message} ({_state_ranks(world, fingerprint)})") from None
-    # Eagerly on the CPU the assert has raised or passed by now: nothing after it needs guarding.
-    return None if agree.device.type == "cpu" and not torch.compiler.is_compiling() else agree
+    if torch.compiler.is_compiling() or agree.device.type != "cpu":
+        if agree.device.type in _ASSERTS:
+            torch._assert_async(agree, message)
+        return agree  # elsewhere the guard alone: the step is a no-op and skipped
+    # Eagerly on the CPU the collective has been waited for: reading the decision costs nothing.
+    if not bool(agree):
+        assert world.group_name is not None and world.mesh is not None
+        raise StateDisagreement(f"{message} ({_state_ranks(world, fingerprint)})")
+    return None
 
 
 def _state_ranks(world: World, fingerprint: torch.Tensor) -> str:
     """Which ranks' state differs from the first rank's: one gather, made by every rank (all of them are here)."""
-    assert world.group_name is not None
-    table = _all_gather_rows(world.group_name, [int(x) for x in fingerprint.tolist()])
+    assert world.group_name is not None and world.mesh is not None
+    rows = [int(x) for x in fingerprint.tolist()]
+    table = _all_gather_rows(world.group_name, rows, world.mesh.device_type)
     ranks = dist.get_process_group_ranks(_group(world.group_name))
     odd = [r for r, row in zip(ranks, table) if row != table[0]]
     return f"{_some(odd)} from rank {ranks[0]}"
@@ -367,12 +394,12 @@ _WEIGHT_CACHE: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
 def _weights(n: int, device: torch.device) -> torch.Tensor:
-    """``(n, 2)`` float64 position weights below the prime, one column per digit (cached eagerly; traced,
-    made in the graph)."""
+    """``(n, 2)`` float64 position weights in ``[1, 65521)``, never 0, one column per digit (cached eagerly;
+    traced, made in the graph)."""
     if not torch.compiler.is_compiling() and (n, device) in _WEIGHT_CACHE:
         return _WEIGHT_CACHE[n, device]
     i = torch.arange(n, dtype=torch.int64, device=device)
-    weights = torch.stack([(i * a + b) % _PRIME for a, b in _WEIGHTS], dim=1).to(torch.float64)
+    weights = torch.stack([(i * a + b) % (_PRIME - 1) + 1 for a, b in _WEIGHTS], dim=1).to(torch.float64)
     if not torch.compiler.is_compiling():
         _WEIGHT_CACHE[n, device] = weights
     return weights

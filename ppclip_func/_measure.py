@@ -32,7 +32,7 @@ from ._local import STAT_DTYPE, leaf_statistics, local_statistics
 from ._norms import ABSENT, HAS_ELEMENT, HAS_LEAF, NormKind
 from ._params import ParamIndex, leaf_slots
 from ._paths import GroupSpec, TiedSpec, check_groups, check_tied, group_indices, tied_stages
-from ._reduce import all_reduce_statistics, arguments_world, mesh_device, reduce_partial, release_peers
+from ._reduce import all_reduce_statistics, mesh_device, reduce_partial, release_peers, world_of
 from ._tree import Leaves, flatten_grads
 
 __all__: list[str] = []
@@ -100,9 +100,11 @@ def measure(
     statistics (:func:`release_peers`), then raises. Its peers never wait
     for it; they get a NaN norm.
 
-    Before anything that can fail on one rank only, every rank checks that
-    all ranks pass the same options (``_agree``: a gather the first time a
-    configuration is seen, nothing after). An adaptive ``state`` (a
+    Every rank checks that all ranks pass the same options (``_agree``: a
+    gather the first time a configuration is seen, nothing after): with a
+    ``mesh``, first of all; with ``mesh=None``, once the leaves have named
+    the world, and a rank that fails before that takes part in the check
+    from :func:`release_peers`. An adaptive ``state`` (a
     ``ClipState`` or ``AdaGCState``) rides in the one collective as a
     fingerprint; :attr:`Measured.agree` says whether every rank held the same.
     """
@@ -113,7 +115,7 @@ def measure(
         check_options(world, options, opts.tied)
         checked[0] = True
 
-    if mesh is not None and (world := arguments_world(mesh, None, opts.pp_dim, opts.pp_mesh)) is not None:
+    if mesh is not None and (world := world_of(mesh, [], opts.pp_dim, opts.pp_mesh)) is not None:
         agree(world)  # else the clip raises why, on every rank of that mesh alike
     try:
         leaves = flatten_grads(read_grads(), what)
@@ -144,12 +146,13 @@ def measure(
     # Waited for at once, in eager mode: everything after reads it, and every op on the collective's
     # AsyncCollectiveTensor would go through its Python __torch_dispatch__ (~0.1 ms each on a CPU).
     reduced = _plain(all_reduce_statistics(stats, kind, world))
+    if with_state:
+        reduced, theirs = reduced[:-STATE_ENTRIES], reduced[-STATE_ENTRIES:]
+    per_entry, total = kind.decode(reduced, per_group=bool(labels) or opts.params is not None, n_total=n)
     same_state = None
     if with_state:
         what = _STATE_NAMES.get(type(state).__name__, "adaptive states")
-        reduced, theirs = reduced[:-STATE_ENTRIES], reduced[-STATE_ENTRIES:]
-        same_state = states_agree(theirs, entries, fingerprint, kind, world, what)
-    per_entry, total = kind.decode(reduced, per_group=bool(labels) or opts.params is not None, n_total=n)
+        same_state = states_agree(theirs, entries, fingerprint, total, kind, world, what)
     # Float64, as the reduced statistics: every rank holds these bits, whatever leaves it holds (a
     # stage's own dtypes would differ between stages), and a float64 model keeps a float64 norm.
     groups = {label: per_entry[i] for i, label in enumerate(labels)} if labels else {}
@@ -183,6 +186,9 @@ def _static_options(kind: NormKind, opts: NormOptions, state: Any) -> dict[str, 
         "overflow_safe": opts.overflow_safe,
         "param_norms": opts.params.names if isinstance(opts.params, ParamIndex) else opts.params,
         "pp_dim": opts.pp_dim,
+        "pp_mesh": (opts.pp_mesh.mesh_dim_names, tuple(opts.pp_mesh.shape))
+        if isinstance(opts.pp_mesh, DeviceMesh)
+        else opts.pp_mesh,
         "the adaptive state's type": type(state).__name__ if state is not None else None,
         **dict(opts.also_agree),
     }

@@ -77,30 +77,30 @@ def mesh_device(mesh: DeviceMesh | None) -> torch.device:
     return torch.device(mesh.device_type, module.current_device())
 
 
-def arguments_world(mesh: Any, given: Any, pp_dim: Any, pp_mesh: Any) -> World | None:
-    """The world a clip of ``given`` reduces over, from the arguments alone; ``None`` if it cannot be
-    resolved (then the clip raises the reason itself, on every rank of that world alike).
+def world_of(mesh: Any, leaf_meshes: list[DeviceMesh], pp_dim: Any, pp_mesh: Any) -> World | None:
+    """The world a clip reduces over, from its arguments (and, with ``mesh=None``, its DTensor leaves'
+    meshes); ``None`` if there is none (then the clip raises why, on every rank of that world alike).
 
-    With ``mesh=None`` the DTensor leaves of ``given`` (gradients or
-    parameters) name the world, as in the clip.
+    Pipeline arguments that do not resolve on this rank (a ``pp_dim`` its
+    mesh lacks) still give the world's group, with no stages: the ranks-agree
+    check then names the option, instead of this rank skipping the check.
     """
-    return _world(mesh, _leaf_meshes(mesh, given), pp_dim, pp_mesh)
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        return None
+    try:
+        stages = pipeline_stages(mesh, pp_dim, pp_mesh)
+    except Exception:
+        stages = ()
+    try:
+        return resolve_world(mesh, stages, leaf_meshes)
+    except Exception:
+        return None
 
 
 def _leaf_meshes(mesh: Any, given: Any) -> list[DeviceMesh]:
     if mesh is not None:
         return []
-    leaves = given if isinstance(given, list) else list(given.values()) if type(given) is dict else None
-    return [x.device_mesh for x in leaves or pytree.tree_leaves(given) if isinstance(x, DTensor)]
-
-
-def _world(mesh: Any, leaf_meshes: list[DeviceMesh], pp_dim: Any, pp_mesh: Any) -> World | None:
-    if mesh is not None and not isinstance(mesh, DeviceMesh):
-        return None
-    try:
-        return resolve_world(mesh, pipeline_stages(mesh, pp_dim, pp_mesh), leaf_meshes)
-    except Exception:
-        return None
+    return [x.device_mesh for x in pytree.tree_leaves(given) if isinstance(x, DTensor)]
 
 
 def release_peers(
@@ -141,7 +141,7 @@ def release_peers(
             first, as its peers do (and raises its ``Disagreement`` if any).
     """
     leaf_meshes = _leaf_meshes(mesh, grads)
-    if options is not None and (world := _world(mesh, leaf_meshes, pp_dim, pp_mesh)) is not None:
+    if options is not None and (world := world_of(mesh, leaf_meshes, pp_dim, pp_mesh)) is not None:
         check_options(world, *options)
     if torch.compiler.is_compiling():
         _join_at_trace_time(mesh, tuple(leaf_meshes), kind.p, pp_dim, pp_mesh, n_groups, with_state)
@@ -164,7 +164,7 @@ def _join_at_trace_time(
 def _join(
     mesh: Any, leaf_meshes: list, kind: NormKind, pp_dim: Any, pp_mesh: Any, n_groups: int, with_state: bool
 ) -> None:
-    world = _world(mesh, leaf_meshes, pp_dim, pp_mesh)
+    world = world_of(mesh, leaf_meshes, pp_dim, pp_mesh)
     if world is None or world.group_name is None:
         return
     stats = kind.poison(n_groups, mesh_device(world.mesh))

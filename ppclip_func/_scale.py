@@ -92,17 +92,17 @@ def finite_mask(total_norm: torch.Tensor, norm_type: float | None, nonfinite: st
 # dtype: bf16/fp16 tensors times a float32 0-dim tensor fall back to a generic kernel per tensor (CUDA,
 # torch 2.11, H200, 114 leaves of 3.3 G bf16 elements: 12.6 ms against 4.7 ms with a bf16 factor).
 SAME_DTYPE_FACTOR = frozenset({"cuda"})
-_ROUNDED = (torch.bfloat16, torch.float16)
+_ROUNDED = (torch.bfloat16,)  # fp16 is not: a coefficient below 6e-8 would round to 0 there
 
 
 def factor_for(factor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """``factor`` as the multiply of ``dtype`` tensors on ``device`` takes it fastest.
 
-    Eagerly on a :data:`SAME_DTYPE_FACTOR` device, bf16 and fp16 grads are
-    multiplied by the factor rounded to their dtype, as torch's own clip
-    does (the clipped norm is then within 2**-8 of its target, relative, for
-    bf16); elsewhere, and compiled (inductor computes the product in float32
-    in registers), by the float32 factor: one rounding, of the product.
+    Eagerly on a :data:`SAME_DTYPE_FACTOR` device, bf16 grads are
+    multiplied by the factor rounded to bf16, as torch's own clip does (the
+    clipped norm is then within 2**-8 of its target, relative); fp16 grads,
+    all grads elsewhere, and compiled (inductor computes the product in
+    float32 in registers), by the float32 factor: one rounding, of the product.
     """
     if dtype in _ROUNDED and device.type in SAME_DTYPE_FACTOR and not torch.compiler.is_compiling():
         return factor.to(dtype)
@@ -134,7 +134,7 @@ def scale(
         The scaled tensors in input order (the inputs themselves when
         ``inplace``). Each keeps its dtype: the product is computed in the
         higher precision of the pair and rounded once (but see
-        :func:`factor_for`: eager bf16/fp16 on CUDA).
+        :func:`factor_for`: eager bf16 on CUDA).
     """
     out: list[torch.Tensor] = list(tensors)
     coefs: dict[torch.dtype, torch.Tensor] = {}
