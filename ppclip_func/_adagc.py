@@ -41,11 +41,11 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._agree import agreed
+from ._agree import agreed, label_set
 from ._call import _check_clip_args, _grad_reader, _rewrap
 from ._exclude import check_exclude, included_params, without_excluded
-from ._measure import Measured, NormOptions, PpDim, measure
-from ._norms import norm_kind
+from ._measure import Measured, NormOptions, PpDim, measure, validated
+from ._norms import NormKind, norm_kind
 from ._params import ParamIndex, leaf_slots
 from ._paths import GroupSpec, TiedSpec
 from ._scale import _by_device_and_dtype, factor_for, finite_mask, multiply_group, own_buffer
@@ -204,6 +204,15 @@ def scale_per_leaf(
     return out
 
 
+def _validate(
+    rule: AdaGCRule, state: Any, index: Any, nonfinite: str, groups: Any, exclude: Any, norm_type: Any
+) -> tuple[list[str], frozenset[str], NormKind]:
+    """AdaGC's argument checks: ``(group labels, excluded labels, norm kind)``."""
+    _check_clip_args(math.inf if rule.max_norm is None else rule.max_norm, rule.eps, nonfinite)
+    check_adagc_args(state, index, rule)
+    return (*check_exclude(groups, exclude), norm_kind(norm_type))
+
+
 def _step(
     measured: Measured,
     index: ParamIndex,
@@ -318,13 +327,17 @@ def adagc_clip_grad_norm_(
         (tensor([0.3000, 0.3000]), tensor([0.1040]))
     """
     rule = AdaGCRule(max_norm, relative, beta, warmup, eps)
-    _check_clip_args(math.inf if max_norm is None else max_norm, eps, nonfinite)
-    check_adagc_args(state, index, rule)
-    labels, excluded = check_exclude(groups, exclude)
-    kind = norm_kind(norm_type)
     parameters, read_grads = _grad_reader(parameters, "adagc_clip_grad_norm_")
-    agree = agreed(rule=rule, nonfinite=nonfinite, exclude=excluded)
+    agree = agreed(rule=rule, nonfinite=nonfinite, exclude=label_set(exclude))
     opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, index, pp_mesh, agree)
+    labels, excluded, kind = validated(
+        lambda: _validate(rule, state, index, nonfinite, groups, exclude, norm_type),
+        mesh,
+        parameters,
+        norm_type,
+        opts,
+        state,
+    )
     measured = measure(read_grads, parameters, "parameter grad", mesh, kind, opts, state)
     return _step(measured, index, state, rule, nonfinite, kind.p, (labels, excluded, groups), inplace=True)[1]
 
@@ -374,12 +387,16 @@ def adagc_clip_grad_norm(
         (tensor([0.5000, 0.5000, 0.5000, 0.5000]), tensor([1.0000], dtype=torch.float64))
     """
     rule = AdaGCRule(max_norm, relative, beta, warmup, eps)
-    _check_clip_args(math.inf if max_norm is None else max_norm, eps, nonfinite)
-    check_adagc_args(state, index, rule)
-    labels, excluded = check_exclude(groups, exclude)
-    kind = norm_kind(norm_type)
-    agree = agreed(rule=rule, nonfinite=nonfinite, exclude=excluded)
+    agree = agreed(rule=rule, nonfinite=nonfinite, exclude=label_set(exclude))
     opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, index, pp_mesh, agree)
+    labels, excluded, kind = validated(
+        lambda: _validate(rule, state, index, nonfinite, groups, exclude, norm_type),
+        mesh,
+        grads,
+        norm_type,
+        opts,
+        state,
+    )
     measured = measure(lambda: grads, grads, "gradient", mesh, kind, opts, state)
     scaled, stats = _step(measured, index, state, rule, nonfinite, kind.p, (labels, excluded, groups), inplace=False)
     return measured.leaves.unflatten(_rewrap(measured.leaves, scaled)), stats

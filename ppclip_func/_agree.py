@@ -280,6 +280,11 @@ def agreed(**options: Any) -> tuple[tuple[str, Any], ...]:
     )
 
 
+def label_set(labels: Any) -> Any:
+    """``exclude=``'s labels as a set (a list and a set of the same labels are one option), or as given."""
+    return frozenset(labels) if isinstance(labels, (list, tuple, set, frozenset)) else labels
+
+
 def _mark_tensors(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return "<tensor>"

@@ -11,11 +11,11 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._adaptive import ClipState, ClipStats, Rule, check_adaptive_args
-from ._agree import agreed
+from ._agree import agreed, label_set
 from ._call import _adapt, _check_clip_args, _grad_reader, _rewrap
 from ._exclude import check_exclude, without_excluded
-from ._measure import GroupNorms, NormOptions, PpDim, measure
-from ._norms import norm_kind
+from ._measure import GroupNorms, NormOptions, PpDim, measure, validated
+from ._norms import NormKind, norm_kind
 from ._params import ParamIndex
 from ._paths import GroupSpec, TiedSpec
 from ._scale import clip_coefficient, finite_mask, scale
@@ -151,8 +151,8 @@ def global_grad_norm(
         >>> per_group
         {'w': tensor(3.4641, dtype=torch.float64), 'h': tensor(4., dtype=torch.float64)}
     """
-    kind = norm_kind(norm_type)
     opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, pp_mesh=pp_mesh)
+    kind = validated(lambda: norm_kind(norm_type), mesh, grads, norm_type, opts)
     measured = measure(lambda: grads, grads, "gradient", mesh, kind, opts)
     return measured.norms(groups is not None)
 
@@ -307,10 +307,9 @@ def clip_grad_norm(
         >>> clipped["w"], clipped["b"]
         (tensor([0.5000, 0.5000, 0.5000, 0.5000]), None)
     """
-    _check_clip_args(max_norm, eps, nonfinite)
-    kind = norm_kind(norm_type)
     agree = agreed(eps=eps, nonfinite=nonfinite)
     opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, pp_mesh=pp_mesh, also_agree=agree)
+    kind = validated(lambda: _clip_kind(max_norm, eps, nonfinite, norm_type), mesh, grads, norm_type, opts)
     measured = measure(lambda: grads, grads, "gradient", mesh, kind, opts)
     scaled = _apply(measured.leaves.shards, max_norm, measured.total, eps, nonfinite, kind.p, inplace=False)
     clipped = measured.leaves.unflatten(_rewrap(measured.leaves, scaled))
@@ -413,11 +412,10 @@ def clip_grad_norm_(
         >>> model.weight.grad
         tensor([[0.6000, 0.8000]])
     """
-    _check_clip_args(max_norm, eps, nonfinite)
-    kind = norm_kind(norm_type)
     parameters, read_grads = _grad_reader(parameters, "clip_grad_norm_")
     agree = agreed(eps=eps, nonfinite=nonfinite)
     opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, pp_mesh=pp_mesh, also_agree=agree)
+    kind = validated(lambda: _clip_kind(max_norm, eps, nonfinite, norm_type), mesh, parameters, norm_type, opts)
     measured = measure(read_grads, parameters, "parameter grad", mesh, kind, opts)
     _apply(measured.leaves.shards, max_norm, measured.total, eps, nonfinite, kind.p, inplace=True)
     return measured.norms(groups is not None)
@@ -546,13 +544,16 @@ def adaptive_clip_grad_norm_(
         True
     """
     rule = Rule(max_norm, z, alpha, warmup, skip_z, mode, clip_option, clip_factor, zscore_eps, freeze_on_spike)
-    _check_clip_args(math.inf if max_norm is None else max_norm, eps, nonfinite)  # None: no cap
-    check_adaptive_args(state, rule)
-    labels, excluded = check_exclude(groups, exclude)
-    kind = norm_kind(norm_type)
     parameters, read_grads = _grad_reader(parameters, "adaptive_clip_grad_norm_")
-    agree = agreed(rule=rule, eps=eps, nonfinite=nonfinite, exclude=excluded)
+    agree = agreed(rule=rule, eps=eps, nonfinite=nonfinite, exclude=label_set(exclude))
     opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, param_norms, pp_mesh, agree)
+
+    def validate() -> tuple[list[str], frozenset[str], NormKind]:
+        _check_clip_args(math.inf if max_norm is None else max_norm, eps, nonfinite)  # None: no cap
+        check_adaptive_args(state, rule)
+        return (*check_exclude(groups, exclude), norm_kind(norm_type))
+
+    labels, excluded, kind = validated(validate, mesh, parameters, norm_type, opts, state)
     measured = measure(read_grads, parameters, "parameter grad", mesh, kind, opts, state)
     measured, scaled = without_excluded(measured, kind, groups, labels, excluded)
     stats = _adapt(measured, state, rule, groups is not None)
@@ -611,12 +612,15 @@ def adaptive_clip_grad_norm(
         (tensor([0.5000, 0.5000, 0.5000, 0.5000]), 6.0, 1.0)
     """
     rule = Rule(max_norm, z, alpha, warmup, skip_z, mode, clip_option, clip_factor, zscore_eps, freeze_on_spike)
-    _check_clip_args(math.inf if max_norm is None else max_norm, eps, nonfinite)  # None: no cap
-    check_adaptive_args(state, rule)
-    labels, excluded = check_exclude(groups, exclude)
-    kind = norm_kind(norm_type)
-    agree = agreed(rule=rule, eps=eps, nonfinite=nonfinite, exclude=excluded)
+    agree = agreed(rule=rule, eps=eps, nonfinite=nonfinite, exclude=label_set(exclude))
     opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, param_norms, pp_mesh, agree)
+
+    def validate() -> tuple[list[str], frozenset[str], NormKind]:
+        _check_clip_args(math.inf if max_norm is None else max_norm, eps, nonfinite)  # None: no cap
+        check_adaptive_args(state, rule)
+        return (*check_exclude(groups, exclude), norm_kind(norm_type))
+
+    labels, excluded, kind = validated(validate, mesh, grads, norm_type, opts, state)
     measured = measure(lambda: grads, grads, "gradient", mesh, kind, opts, state)
     measured, scaled = without_excluded(measured, kind, groups, labels, excluded)
     stats = _adapt(measured, state, rule, groups is not None)
@@ -639,3 +643,9 @@ def _apply(
 ) -> list[torch.Tensor]:
     keep = finite_mask(total, norm_type, nonfinite)
     return scale(locals_, functools.partial(clip_coefficient, max_norm, total, eps), inplace=inplace, keep=keep)
+
+
+def _clip_kind(max_norm: Any, eps: Any, nonfinite: Any, norm_type: Any) -> NormKind:
+    """The plain clip's argument checks; its norm kind."""
+    _check_clip_args(max_norm, eps, nonfinite)
+    return norm_kind(norm_type)

@@ -22,10 +22,10 @@ from typing import Any, TypeVar
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._agree import agreed
+from ._agree import agreed, label_set
 from ._call import _check_clip_args, _grad_reader, _rewrap
 from ._exclude import check_exclude, group_members, included_total
-from ._measure import GroupNorms, Measured, NormOptions, PpDim, measure
+from ._measure import GroupNorms, Measured, NormOptions, PpDim, measure, validated
 from ._norms import NormKind, norm_kind
 from ._paths import GroupSpec, TiedSpec, check_groups
 from ._scale import clip_coefficient, finite_mask, scale
@@ -177,11 +177,14 @@ def clip_grad_norm_by_group_(
         >>> [round(float(p.grad[0]), 4) for p in params.values()]  # embed by its own 1.0, mlp by 2.5 / 5
         [1.0, 2.0, 100.0]
     """
-    labels, thresholds, excluded = check_group_args(groups, max_norm, group_max_norm, exclude, eps, nonfinite)
-    kind = norm_kind(norm_type)
     parameters, read_grads = _grad_reader(parameters, "clip_grad_norm_by_group_")
-    agree = agreed(group_max_norm=thresholds, exclude=excluded, eps=eps, nonfinite=nonfinite)
+    agree = agreed(group_max_norm=group_max_norm, exclude=label_set(exclude), eps=eps, nonfinite=nonfinite)
     opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, pp_mesh=pp_mesh, also_agree=agree)
+
+    def validate() -> tuple[list[str], dict, frozenset[str], NormKind]:
+        return (*check_group_args(groups, max_norm, group_max_norm, exclude, eps, nonfinite), norm_kind(norm_type))
+
+    labels, thresholds, excluded, kind = validated(validate, mesh, parameters, norm_type, opts)
     measured = measure(read_grads, parameters, "parameter grad", mesh, kind, opts)
     total, _ = _scale_groups(
         measured, kind, groups, labels, max_norm, thresholds, excluded, eps, nonfinite, inplace=True
@@ -228,10 +231,13 @@ def clip_grad_norm_by_group(
         >>> clipped["attn"], clipped["experts"], total
         (tensor([3., 4.]), tensor([0.0000, 2.0000]), tensor(11.1803, dtype=torch.float64))
     """
-    labels, thresholds, excluded = check_group_args(groups, max_norm, group_max_norm, exclude, eps, nonfinite)
-    kind = norm_kind(norm_type)
-    agree = agreed(group_max_norm=thresholds, exclude=excluded, eps=eps, nonfinite=nonfinite)
+    agree = agreed(group_max_norm=group_max_norm, exclude=label_set(exclude), eps=eps, nonfinite=nonfinite)
     opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, pp_mesh=pp_mesh, also_agree=agree)
+
+    def validate() -> tuple[list[str], dict, frozenset[str], NormKind]:
+        return (*check_group_args(groups, max_norm, group_max_norm, exclude, eps, nonfinite), norm_kind(norm_type))
+
+    labels, thresholds, excluded, kind = validated(validate, mesh, grads, norm_type, opts)
     measured = measure(lambda: grads, grads, "gradient", mesh, kind, opts)
     total, scaled = _scale_groups(
         measured, kind, groups, labels, max_norm, thresholds, excluded, eps, nonfinite, inplace=False

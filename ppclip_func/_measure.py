@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -29,7 +29,7 @@ from ._agree import (
 )
 from ._layout import World, count_copies, pipeline_stages, resolve_world
 from ._local import STAT_DTYPE, leaf_statistics, local_statistics
-from ._norms import ABSENT, HAS_ELEMENT, HAS_LEAF, NormKind
+from ._norms import ABSENT, HAS_ELEMENT, HAS_LEAF, NormKind, norm_kind
 from ._params import ParamIndex, leaf_slots
 from ._paths import GroupSpec, TiedSpec, check_groups, check_tied, group_indices, tied_stages
 from ._reduce import all_reduce_statistics, mesh_device, reduce_partial, release_peers, world_of
@@ -108,7 +108,7 @@ def measure(
     ``ClipState`` or ``AdaGCState``) rides in the one collective as a
     fingerprint; :attr:`Measured.agree` says whether every rank held the same.
     """
-    options = _static_options(kind, opts, state)
+    options = _static_options(kind.p, opts, state)
     checked: list[bool] = [False]
 
     def agree(world: World) -> None:
@@ -166,6 +166,53 @@ _STATE_NAMES = {
 }
 
 
+T = TypeVar("T")
+
+
+def validated(
+    validate: Callable[[], T],
+    mesh: Any,
+    given: Any,
+    norm_type: Any,
+    opts: NormOptions,
+    state: tuple[torch.Tensor, ...] | None = None,
+) -> T:
+    """Returns ``validate()``, a public function's own argument checks, run so that a rank they fail on
+    leaves no peer waiting.
+
+    An argument can be valid on some ranks and not on others (an
+    ``exclude=`` label only some ranks' ``groups`` define): a rank that
+    raises here first takes part in the ranks-agree check (which then
+    raises the disagreement on every rank) and, if that passes, joins the
+    statistics all-reduce with a poison, as :func:`measure` does.
+    """
+    try:
+        return validate()
+    except Exception:
+        try:
+            kind: NormKind | None = norm_kind(norm_type)
+        except (TypeError, ValueError):
+            kind = None  # every rank that passed this norm_type is here too: no all-reduce to join
+        options = (_static_options(_norm_p(norm_type), opts, state), opts.tied)
+        release_peers(
+            mesh,
+            given,
+            kind,
+            opts.pp_dim,
+            opts.pp_mesh,
+            _n_entries(opts),
+            with_state=state is not None,
+            options=options,
+        )
+        raise
+
+
+def _norm_p(norm_type: Any) -> Any:
+    """``norm_type`` as :func:`norm_kind` reads it (a float), or as given when it is not a number."""
+    is_number = isinstance(norm_type, (int, float)) and not isinstance(norm_type, bool)
+    return float(norm_type) if is_number else norm_type
+
+
 def _plain(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a plain tensor: in eager mode the collective returns an ``AsyncCollectiveTensor``, which
     waits when first read; nothing in the clip can overlap with it, so it is waited for at once.
@@ -173,7 +220,7 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
-def _static_options(kind: NormKind, opts: NormOptions, state: Any) -> dict[str, Any]:
+def _static_options(p: Any, opts: NormOptions, state: Any) -> dict[str, Any]:
     """What every rank must pass alike, by option (checked once per configuration by ``_agree``).
 
     ``tied`` is checked apart: each stage declares the tied leaves it holds.
@@ -181,7 +228,7 @@ def _static_options(kind: NormKind, opts: NormOptions, state: Any) -> dict[str, 
     return {
         "the number of group labels": len(opts.groups) if isinstance(opts.groups, Mapping) else None,
         "groups": opts.groups,
-        "norm_type": kind.p,
+        "norm_type": p,
         "partial": opts.partial,
         "overflow_safe": opts.overflow_safe,
         "param_norms": opts.params.names if isinstance(opts.params, ParamIndex) else opts.params,

@@ -43,8 +43,8 @@ from torch.optim import Optimizer
 from ._adaptive import ClipState, ClipStats, Rule, check_adaptive_args
 from ._agree import agreed
 from ._call import _adapt, _check_clip_args, _grad_reader
-from ._measure import GroupNorms, NormOptions, PpDim, measure
-from ._norms import norm_kind
+from ._measure import GroupNorms, NormOptions, PpDim, measure, validated
+from ._norms import NormKind, norm_kind
 from ._params import ParamIndex
 from ._paths import GroupSpec, TiedSpec
 from ._scale import clip_coefficient, finite_mask, scale
@@ -232,14 +232,18 @@ def clip_grad_norm_in_optimizer(
         >>> w.detach()
         tensor([-0.6000, -0.8000])
     """
-    if nonfinite not in NONFINITE_IN_OPTIMIZER:
-        raise ValueError(f"nonfinite must be one of {NONFINITE_IN_OPTIMIZER} here, got {nonfinite!r}")
-    _check_clip_args(max_norm, eps, "propagate")
     optimizers = optimizers_of(optimizer)
-    kind = norm_kind(norm_type)
     parameters, read_grads = _grad_reader(parameters, "clip_grad_norm_in_optimizer")
     agree = agreed(eps=eps, nonfinite=nonfinite)
     opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, pp_mesh=pp_mesh, also_agree=agree)
+
+    def validate() -> NormKind:
+        if nonfinite not in NONFINITE_IN_OPTIMIZER:
+            raise ValueError(f"nonfinite must be one of {NONFINITE_IN_OPTIMIZER} here, got {nonfinite!r}")
+        _check_clip_args(max_norm, eps, "propagate")
+        return norm_kind(norm_type)
+
+    kind = validated(validate, mesh, parameters, norm_type, opts)
     measured = measure(read_grads, parameters, "parameter grad", mesh, kind, opts)
     if nonfinite == "error":
         finite_mask(measured.total, kind.p, "error")
@@ -317,13 +321,17 @@ def adaptive_clip_grad_norm_in_optimizer(
         (True, True, 30)
     """
     rule = Rule(max_norm, z, alpha, warmup, skip_z, mode, clip_option, clip_factor, zscore_eps, freeze_on_spike)
-    _check_clip_args(math.inf if max_norm is None else max_norm, eps, "propagate")  # None: no cap
-    check_adaptive_args(state, rule)
     optimizers = optimizers_of(optimizer)
-    kind = norm_kind(norm_type)
     parameters, read_grads = _grad_reader(parameters, "adaptive_clip_grad_norm_in_optimizer")
     agree = agreed(rule=rule, eps=eps)
     opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, param_norms, pp_mesh, agree)
+
+    def validate() -> NormKind:
+        _check_clip_args(math.inf if max_norm is None else max_norm, eps, "propagate")  # None: no cap
+        check_adaptive_args(state, rule)
+        return norm_kind(norm_type)
+
+    kind = validated(validate, mesh, parameters, norm_type, opts, state)
     measured = measure(read_grads, parameters, "parameter grad", mesh, kind, opts, state)
     stats = _adapt(measured, state, rule, groups is not None)
     hand_over(optimizers, functools.partial(clip_coefficient, stats.threshold, measured.total, eps), stats.skip)

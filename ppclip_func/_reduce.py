@@ -106,7 +106,7 @@ def _leaf_meshes(mesh: Any, given: Any) -> list[DeviceMesh]:
 def release_peers(
     mesh: DeviceMesh | None,
     grads: Any,
-    kind: NormKind,
+    kind: NormKind | None,
     pp_dim: Any,
     pp_mesh: Any,
     n_groups: int,
@@ -130,7 +130,8 @@ def release_peers(
         mesh: The caller's world mesh argument, or ``None``.
         grads: What the caller was given (gradients or parameters); with
             ``mesh=None`` its DTensor leaves name the world, as in the clip.
-        kind: The norm being computed.
+        kind: The norm being computed (``None``: not a valid norm type, so no
+            rank of this configuration reaches the all-reduce).
         pp_dim: The caller's ``pp_dim`` argument.
         pp_mesh: The caller's ``pp_mesh`` argument.
         n_groups: Number of groups, including the one for leaves in no group.
@@ -143,6 +144,8 @@ def release_peers(
     leaf_meshes = _leaf_meshes(mesh, grads)
     if options is not None and (world := world_of(mesh, leaf_meshes, pp_dim, pp_mesh)) is not None:
         check_options(world, *options)
+    if kind is None:
+        return  # a norm_type no rank could use: every rank fails alike, before any all-reduce
     if torch.compiler.is_compiling():
         _join_at_trace_time(mesh, tuple(leaf_meshes), kind.p, pp_dim, pp_mesh, n_groups, with_state)
     else:

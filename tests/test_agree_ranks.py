@@ -175,6 +175,31 @@ def every_other_option_that_shapes_or_reads_the_vector(rank: int, world_size: in
     _in_step(mesh)
 
 
+def an_option_invalid_on_one_rank_only(rank: int, world_size: int) -> None:
+    # Rank 3's own argument checks fail; it still takes part in the check, which names the option everywhere.
+    mesh, _, params = _fresh()
+    state = init_clip_state()
+    warmup = 1 if rank == 3 else 5  # 1 is not a valid warm-up
+    _raises_everywhere(
+        lambda: adaptive_clip_grad_norm_(params, mesh, state, warmup=warmup),
+        params,
+        ValueError,
+        "rule (rank 3 differs from rank 0)",
+    )
+    groups = {"w": "weight", "b": "bias"}
+    exclude = {"x"} if rank == 2 else {"w"}  # "x" is not a label of groups
+    _raises_everywhere(
+        lambda: adaptive_clip_grad_norm_(params, mesh, state, groups=groups, exclude=exclude),
+        params,
+        ValueError,
+        "exclude (rank 2 differs from rank 0)",
+    )
+    # Invalid alike on every rank: the same error everywhere, and the ranks stay in step.
+    with pytest.raises(ValueError, match="warmup must be an int >= 2"):
+        adaptive_clip_grad_norm_(params, mesh, state, warmup=1)
+    _in_step(mesh)
+
+
 def tied_declared_on_one_stage_only(rank: int, world_size: int) -> None:
     mesh, stage, params = _fresh()
     tied = {f"s{stage}.weight": 2} if stage == 0 else None
@@ -414,6 +439,7 @@ CASES = [
     norm_type_on_one_rank,
     a_different_number_of_group_labels,
     every_other_option_that_shapes_or_reads_the_vector,
+    an_option_invalid_on_one_rank_only,
     tied_declared_on_one_stage_only,
     tied_that_differs_within_a_stage,
     tied_declared_on_both_stages_is_fine,
