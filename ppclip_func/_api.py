@@ -547,13 +547,8 @@ def adaptive_clip_grad_norm_(
     parameters, read_grads = _grad_reader(parameters, "adaptive_clip_grad_norm_")
     agree = agreed(rule=rule, eps=eps, nonfinite=nonfinite, exclude=label_set(exclude))
     opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, param_norms, pp_mesh, agree)
-
-    def validate() -> tuple[list[str], frozenset[str], NormKind]:
-        _check_clip_args(math.inf if max_norm is None else max_norm, eps, nonfinite)  # None: no cap
-        check_adaptive_args(state, rule)
-        return (*check_exclude(groups, exclude), norm_kind(norm_type))
-
-    labels, excluded, kind = validated(validate, mesh, parameters, norm_type, opts, state)
+    checks = (rule, eps, nonfinite, state, groups, exclude, norm_type)
+    labels, excluded, kind = validated(lambda: _adaptive_checks(*checks), mesh, parameters, norm_type, opts, state)
     measured = measure(read_grads, parameters, "parameter grad", mesh, kind, opts, state)
     measured, scaled = without_excluded(measured, kind, groups, labels, excluded)
     stats = _adapt(measured, state, rule, groups is not None)
@@ -614,13 +609,8 @@ def adaptive_clip_grad_norm(
     rule = Rule(max_norm, z, alpha, warmup, skip_z, mode, clip_option, clip_factor, zscore_eps, freeze_on_spike)
     agree = agreed(rule=rule, eps=eps, nonfinite=nonfinite, exclude=label_set(exclude))
     opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, param_norms, pp_mesh, agree)
-
-    def validate() -> tuple[list[str], frozenset[str], NormKind]:
-        _check_clip_args(math.inf if max_norm is None else max_norm, eps, nonfinite)  # None: no cap
-        check_adaptive_args(state, rule)
-        return (*check_exclude(groups, exclude), norm_kind(norm_type))
-
-    labels, excluded, kind = validated(validate, mesh, grads, norm_type, opts, state)
+    checks = (rule, eps, nonfinite, state, groups, exclude, norm_type)
+    labels, excluded, kind = validated(lambda: _adaptive_checks(*checks), mesh, grads, norm_type, opts, state)
     measured = measure(lambda: grads, grads, "gradient", mesh, kind, opts, state)
     measured, scaled = without_excluded(measured, kind, groups, labels, excluded)
     stats = _adapt(measured, state, rule, groups is not None)
@@ -649,3 +639,12 @@ def _clip_kind(max_norm: Any, eps: Any, nonfinite: Any, norm_type: Any) -> NormK
     """The plain clip's argument checks; its norm kind."""
     _check_clip_args(max_norm, eps, nonfinite)
     return norm_kind(norm_type)
+
+
+def _adaptive_checks(
+    rule: Rule, eps: Any, nonfinite: Any, state: Any, groups: Any, exclude: Any, norm_type: Any
+) -> tuple[list[str], frozenset[str], NormKind]:
+    """The adaptive clip's argument checks: ``(group labels, excluded labels, norm kind)``."""
+    _check_clip_args(math.inf if rule.max_norm is None else rule.max_norm, eps, nonfinite)  # None: no cap
+    check_adaptive_args(state, rule)
+    return (*check_exclude(groups, exclude), norm_kind(norm_type))

@@ -126,16 +126,7 @@ def measure(
     except Exception:
         # A rank that fails before its options check still takes part in it (its peers may be in the
         # gather), then in the statistics all-reduce.
-        release_peers(
-            mesh,
-            given,
-            kind,
-            opts.pp_dim,
-            opts.pp_mesh,
-            _n_entries(opts),
-            with_state=state is not None,
-            options=None if checked[0] else (options, opts.tied),
-        )
+        _release(mesh, given, kind, opts, state, None if checked[0] else options)
         raise
     n = len(labels) + 1
     with_state = state is not None and carries_state(world)
@@ -193,18 +184,24 @@ def validated(
             kind: NormKind | None = norm_kind(norm_type)
         except (TypeError, ValueError):
             kind = None  # every rank that passed this norm_type is here too: no all-reduce to join
-        options = (_static_options(_norm_p(norm_type), opts, state), opts.tied)
-        release_peers(
-            mesh,
-            given,
-            kind,
-            opts.pp_dim,
-            opts.pp_mesh,
-            _n_entries(opts),
-            with_state=state is not None,
-            options=options,
-        )
+        _release(mesh, given, kind, opts, state, _static_options(_norm_p(norm_type), opts, state))
         raise
+
+
+def _release(
+    mesh: Any, given: Any, kind: NormKind | None, opts: NormOptions, state: Any, options: dict[str, Any] | None
+) -> None:
+    """:func:`release_peers` for a rank that failed; with ``options``, it takes part in their check first."""
+    release_peers(
+        mesh,
+        given,
+        kind,
+        opts.pp_dim,
+        opts.pp_mesh,
+        _n_entries(opts),
+        with_state=state is not None,
+        options=None if options is None else (options, opts.tied),
+    )
 
 
 def _norm_p(norm_type: Any) -> Any:
