@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._layout import World
+from ._layout import World, device_of, own_caches, per_group_cache
 from ._norms import NormKind
 
 __all__: list[str] = []
@@ -77,8 +77,9 @@ STATE_ENTRIES = 2 * len(_WEIGHTS)
 _ASSERTS = frozenset({"cpu", "cuda"})  # devices with a torch._assert_async kernel
 
 _REMEMBERED = 64  # configurations remembered per group and function, the latest ones
-_VERIFIED: dict[tuple, list[tuple]] = {}  # (group name, option names) -> the option values every rank agreed on
-_OWNER: list[object] = [None]  # the default process group _VERIFIED was filled under
+_VERIFIED: dict[tuple, list[tuple]] = per_group_cache(
+    {}
+)  # (group name, option names) -> the option values every rank agreed on
 
 
 class Disagreement(ValueError):
@@ -116,7 +117,7 @@ def _device_type(world: World) -> str:
 def _verify(
     group_name: str, device_type: str, rank_stage: dict[int, tuple[int, ...]], names: tuple[str, ...], values: tuple
 ) -> None:
-    _own_cache()
+    own_caches()  # configurations agreed on under another default process group are forgotten
     seen = _VERIFIED.setdefault((group_name, names), [])
     if any(_same(values, v) for v in reversed(seen)):  # the latest first: a loop repeats its last call
         return
@@ -188,9 +189,7 @@ def _all_gather_rows(group_name: str, row: list[int], device_type: str) -> list[
     """Every rank's ``row``, in group rank order, on the device the world mesh's backend uses."""
     group = _group(group_name)
     size = dist.get_world_size(group)
-    device = torch.device(device_type)
-    if device_type != "cpu":
-        device = torch.device(device_type, getattr(torch, device_type).current_device())
+    device = device_of(device_type)
     mine = torch.tensor(row, dtype=torch.int64, device=device)
     table = torch.empty(size * len(row), dtype=torch.int64, device=device)
     dist.all_gather_into_tensor(table, mine, group=group)
@@ -201,14 +200,6 @@ def _group(group_name: str) -> dist.ProcessGroup:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(group_name)
-
-
-def _own_cache() -> None:
-    """Forgets every verified configuration if the default process group is not the one they were seen under."""
-    group = dist.group.WORLD if dist.is_initialized() else None
-    if group is not _OWNER[0]:
-        _VERIFIED.clear()
-        _OWNER[0] = group
 
 
 def _some(ranks: list[int]) -> str:

@@ -88,14 +88,29 @@ _MESH_RANKS: dict[DeviceMesh, list[int]] = {}
 _COPIES: dict[tuple[int, DeviceMesh, tuple[Placement, ...]], int] = {}
 
 
-def _own_caches() -> None:
-    """Drops every cached layout fact if the default process group is not the one they were computed under."""
+_PER_GROUP: list[dict] = [_WORLDS, _MESH_RANKS, _COPIES]  # every cache that belongs to one process group
+
+
+def per_group_cache(cache: dict) -> dict:
+    """Registers ``cache`` (another module's) to be dropped with the layout caches by :func:`own_caches`."""
+    _PER_GROUP.append(cache)
+    return cache
+
+
+def own_caches() -> None:
+    """Drops every per-group cache if the default process group is not the one they were filled under."""
     group = dist.group.WORLD if dist.is_initialized() else None
     if group is not _CACHE_OWNER[0]:
-        _WORLDS.clear()
-        _MESH_RANKS.clear()
-        _COPIES.clear()
+        for cache in _PER_GROUP:
+            cache.clear()
         _CACHE_OWNER[0] = group
+
+
+def device_of(device_type: str) -> torch.device:
+    """The device of ``device_type`` this rank uses (its current one; the CPU has one)."""
+    if device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(device_type, getattr(torch, device_type).current_device())
 
 
 # Where the pipeline stages are: the indices of the world mesh's pipeline dims, or the pipeline mesh.
@@ -169,7 +184,7 @@ def resolve_world(mesh: DeviceMesh | None, stages: Stages, leaf_meshes: Sequence
                 return World(mesh=None, stage_size=1, rank_stage={}, group_name=None)
             return _make_world(_largest_nesting(leaf_meshes), stages, False)
         return _make_world(mesh, stages, True)
-    _own_caches()
+    own_caches()
     if mesh is None:
         if not leaf_meshes:
             return _NO_WORLD
@@ -341,7 +356,7 @@ def _group_name(mesh: DeviceMesh) -> str | None:
 def _mesh_ranks(mesh: DeviceMesh) -> list[int]:
     # Cached: reading ``mesh.mesh`` builds a tensor, per leaf and per step otherwise.
     # Under torch.compile this runs at trace time, outside resolve_world's check.
-    _own_caches()
+    own_caches()
     if mesh not in _MESH_RANKS:
         _MESH_RANKS[mesh] = mesh.mesh.flatten().tolist()
     return _MESH_RANKS[mesh]

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.utils import _pytree as pytree
 
 from ._agree import carries_state, check_options, state_poison
-from ._layout import World, pipeline_stages, resolve_world
+from ._layout import World, device_of, pipeline_stages, resolve_world
 from ._norms import NormKind, norm_kind
 
 __all__: list[str] = []
@@ -71,10 +71,7 @@ def collective_device(mesh: DeviceMesh | None, device: torch.device) -> torch.de
 
 def mesh_device(mesh: DeviceMesh | None) -> torch.device:
     """Returns the device this rank uses for ``mesh``: CPU for no mesh or a CPU mesh."""
-    if mesh is None or mesh.device_type == "cpu":
-        return torch.device("cpu")
-    module = getattr(torch, mesh.device_type)
-    return torch.device(mesh.device_type, module.current_device())
+    return device_of("cpu" if mesh is None else mesh.device_type)
 
 
 def world_of(mesh: Any, leaf_meshes: list[DeviceMesh], pp_dim: Any, pp_mesh: Any) -> World | None:
