@@ -77,9 +77,8 @@ STATE_ENTRIES = 2 * len(_WEIGHTS)
 _ASSERTS = frozenset({"cpu", "cuda"})  # devices with a torch._assert_async kernel
 
 _REMEMBERED = 64  # configurations remembered per group and function, the latest ones
-_VERIFIED: dict[tuple, list[tuple]] = per_group_cache(
-    {}
-)  # (group name, option names) -> the option values every rank agreed on
+# (group name, option names) -> the option values every rank agreed on, per default process group.
+_VERIFIED: dict[tuple, list[tuple]] = per_group_cache({})
 
 
 class Disagreement(ValueError):
