@@ -6,8 +6,10 @@
   weighs most: ``clip_grad_norm_`` with and without ``groups``, and the
   adaptive clip with ``param_norms=`` (a ``ParamIndex`` of every leaf).
 * **Adaptive state** (``_agree.state_entries``/``states_agree``): four more
-  float64 entries in the one all-reduce, a fingerprint of the state's bits,
-  and one ``torch._assert_async``. Measured eager and compiled (inductor).
+  float64 entries in the one all-reduce, a fingerprint of the state's bits
+  (eagerly on the CPU taken on the host from the state's bytes, and the
+  decision read there; traced, tensor ops and one ``torch._assert_async``).
+  Measured eager and compiled (inductor).
 
 "Without" switches the check off in the library (a no-op ``check_options``;
 ``carries_state`` false, so no entries and no assert), in the same process,
@@ -42,6 +44,7 @@ from ppclip_func import (
     init_clip_state,
     param_norm_index,
 )
+from ppclip_func._norms import norm_kind
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "agree_cost.json"
 
@@ -142,14 +145,11 @@ def compiled_case(mesh, quick: bool) -> tuple[str, dict, dict[str, float]]:
 
 
 def alone(mesh, quick: bool) -> dict[str, float]:
-    """Microseconds per call of each check by itself, on its steady-state path (the options already seen)."""
-    from ppclip_func._agree import check_options, state_entries, state_fingerprint, states_agree
-    from ppclip_func._layout import pipeline_stages, resolve_world
+    """Microseconds per call of the options check by itself, on its steady-state path (already seen)."""
+    from ppclip_func._agree import check_options
     from ppclip_func._measure import NormOptions, _static_options
-    from ppclip_func._norms import norm_kind
 
-    world = resolve_world(mesh, pipeline_stages(mesh, None, None), [])
-    kind = norm_kind(2.0)
+    world, kind = _world(mesh), norm_kind(2.0)
     n = 100 if not quick else 50
     groups = {f"layers.{i}.w": f"layers.{i}.w" for i in range(n)}
     out = {}
@@ -160,21 +160,47 @@ def alone(mesh, quick: bool) -> dict[str, float]:
         for _ in range(reps):
             check_options(world, _static_options(kind, opts, None), None)
         out[name] = 1e6 * (time.perf_counter() - t0) / reps
-    state = init_clip_state()
-    cpu = torch.device("cpu")
-    size = float(world.mesh.size())
-    norm = torch.tensor(1.0, dtype=torch.float64)
-    reps = 500
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        f = state_fingerprint(state, cpu)
-        entries = state_entries(f, kind)
-        # What every rank agreeing sums to; a finite norm (a NaN one is not checked).
-        states_agree(entries * size, entries, f, norm, kind, world, "a ClipState")
-    out["adaptive state (ClipState), eager: fingerprint, entries, compare, assert"] = (
-        1e6 * (time.perf_counter() - t0) / reps
-    )
     return out
+
+
+def _world(mesh):
+    from ppclip_func._layout import pipeline_stages, resolve_world
+
+    return resolve_world(mesh, pipeline_stages(mesh, None, None), [])
+
+
+def state_check(mesh, n_stats: int):
+    """One eager state check as the clip makes it, by itself: a ClipState's entries, their place at the
+    end of a statistics vector of ``n_stats`` values and back out of it, and the comparison."""
+    from ppclip_func._agree import STATE_ENTRIES, state_entries, states_agree
+
+    world, kind, cpu = _world(mesh), norm_kind(2.0), torch.device("cpu")
+    state = init_clip_state()
+    norm = torch.tensor(1.0, dtype=torch.float64)  # finite: a NaN norm is not checked
+    stats = torch.zeros(n_stats, dtype=torch.float64)
+    summed = state_entries(state, kind, cpu) * float(world.mesh.size())  # what agreeing ranks' entries sum to
+
+    def check() -> None:
+        entries = state_entries(state, kind, cpu)
+        reduced = torch.cat([stats, summed])  # as the clip's one cat of its statistics and the entries
+        reduced, theirs = reduced.split([reduced.numel() - STATE_ENTRIES, STATE_ENTRIES])
+        states_agree(theirs, entries, norm, kind, world, "a ClipState")
+
+    return check
+
+
+def state_check_share(mesh, quick: bool, clip, runs: int) -> dict[str, float]:
+    """The state check's time per step and as a share of the smallest eager adaptive clip measured
+    (``clip``, run with both checks off), timed interleaved round by round so that both see the machine
+    alike: the precise form of that case's with/without ratio."""
+    n = 100 if not quick else 50
+    check = state_check(mesh, 2 * (n + 1) + 2 * n)  # the groups' and the parameters' entries
+    reps = 50
+    t = interleaved(
+        {"clip": clip, "checks": lambda: [check() for _ in range(reps)]}, runs=runs, warmup=3, barrier=dist.barrier
+    )
+    us = 1e3 * t.ms("checks") / reps
+    return {"check_us": us, "clip_without_checks_ms": t.ms("clip"), "share": us / (1e3 * t.ms("clip"))}
 
 
 def _rank(rank: int, world: int, quick: bool) -> dict | None:
@@ -182,14 +208,18 @@ def _rank(rank: int, world: int, quick: bool) -> dict | None:
     runs = 7 if quick else 41
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     rows = []
-    cases = [*eager_cases(mesh, quick).items(), compiled_case(mesh, quick)[:2]]
+    eager = eager_cases(mesh, quick)
+    cases = [*eager.items(), compiled_case(mesh, quick)[:2]]
     for name, variants in cases:
         t = interleaved(variants, runs=runs, warmup=3, barrier=dist.barrier)
         rows.append(
             {"case": name, "with_ms": t.ms("with"), "without_ms": t.ms("without"), "ratio": t.ratio("with", "without")}
         )
     solo = alone(mesh, quick)
-    return {"machine": machine(), "ranks": world, "runs": runs, "rows": rows, "alone_us": solo} if rank == 0 else None
+    smallest = next(variants for name, variants in eager.items() if name.startswith("adaptive_clip_grad_norm_ with"))
+    share = state_check_share(mesh, quick, smallest["without"], runs)
+    result = {"machine": machine(), "ranks": world, "runs": runs, "rows": rows, "alone_us": solo, "state_check": share}
+    return result if rank == 0 else None
 
 
 def main() -> None:
@@ -200,6 +230,11 @@ def main() -> None:
     result = spawn(_rank, 2, args.quick, timeout=1800)[0]
     for name, us in result["alone_us"].items():
         print(f"check alone, {name}: {us:.1f} us per call")
+    share = result["state_check"]
+    print(
+        f"state check alone (ClipState, eager): {share['check_us']:.1f} us per step, "
+        f"{100 * share['share']:.2f} % of the smallest adaptive clip ({share['clip_without_checks_ms']:.3f} ms)"
+    )
     for r in result["rows"]:
         print(f"{r['case']}: with {r['with_ms']:.3f} ms, without {r['without_ms']:.3f} ms, ratio {r['ratio']:.3f}")
     if args.out is not None or not args.quick:

@@ -29,17 +29,22 @@ adds a collective to the steady state:
   a rank hold only if every rank's ``f`` is that rank's (the squared
   deviations from ``f`` sum to zero), so the ranks agree or all of them see
   that they do not; a ``max``/``min`` reduction carries ``f`` and ``-f``.
-  Exact in float64 up to 2**21 ranks. Nothing is read on the host: a
-  disagreement stops the step with ``torch._assert_async`` and, where that
-  cannot raise at once (CUDA), makes the step a no-op (threshold ``inf``,
-  ``skip`` true), so no gradient is scaled by a decision the ranks do not
-  share.
+  Exact in float64 up to 2**21 ranks. Eagerly on the CPU, where the state
+  and the reduced vector are already on the host, the fingerprint is taken
+  from the state's bytes and the decision read there (on a CPU, less than
+  half the time of the same arithmetic as tensor ops) and a disagreement
+  raises at once; traced, or on CUDA, nothing is read on the host: a disagreement
+  stops the step with ``torch._assert_async`` and, where that cannot raise
+  at once (CUDA), makes the step a no-op (threshold ``inf``, ``skip``
+  true), so no gradient is scaled by a decision the ranks do not share.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import math
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -74,6 +79,8 @@ _TALLY = 720720  # lcm(1, ..., 16)
 _PRIME = 65521
 _WEIGHTS = ((7919, 1), (104729, 7))
 STATE_ENTRIES = 2 * len(_WEIGHTS)
+_UNREDUCED_WORDS = 2**16  # words whose weighted sum is exact in int64 without reducing them first
+_HOST_WORDS = 4096  # the most words fingerprinted on the host (a Python sum: ~30 ns a word)
 _ASSERTS = frozenset({"cpu", "cuda"})  # devices with a torch._assert_async kernel
 
 _REMEMBERED = 64  # configurations remembered per group and function, the latest ones
@@ -296,30 +303,44 @@ def _moves_data(group_name: str) -> bool:
     return str(dist.get_backend(_group(group_name))) != "fake"
 
 
-def state_fingerprint(state: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Two integers in ``[0, 65521)``, as float64 on ``device``, from the bits of ``state``'s tensors in order.
+def state_entries(state: Sequence[torch.Tensor], kind: NormKind, device: torch.device) -> torch.Tensor:
+    """Returns the :data:`STATE_ENTRIES` float64 values a rank adds to the reduced vector, on ``device``:
+    the state's fingerprint ``f`` (:func:`state_fingerprint`) and ``f**2`` for a sum, ``f`` and ``-f`` for
+    a max or min.
 
-    Each digit is a weighted sum of the state's 32-bit words (each taken
-    modulo the prime) modulo the prime, with non-zero weights that depend on
-    the word's position. A change of one word is seen by both digits unless
-    it is a multiple of 65521 (its residue is what counts); a change of
-    several words escapes both only by a coincidence of two linear sums
-    modulo the prime. Bits are compared, so the ranks' states must be equal
-    to the bit, as they are when every rank computes them with the same
-    ops from the same reduced norm. Exact in float64: each product is below
-    2**32 and their sum below 2**53 for up to 2**21 words.
+    Eagerly, where the state's tensors are on the CPU, the fingerprint is
+    taken on the host from their bytes (a ``ClipState``'s in ~7 us, where
+    the tensor ops take ~17 us, each op a few us of dispatch) and the values
+    are made as one tensor; else by tensor ops on ``device``. Both give the
+    same integers (``tests/test_state_fingerprint.py``).
     """
-    parts = [_words(t) for t in state]
-    words = torch.cat([w if w.device == device else w.to(device) for w in parts]).remainder(_PRIME)
-    words = words.to(torch.float64)
+    digits = _host_fingerprint(state)
+    if digits is not None:
+        values = [*digits, *(f * f if kind.op == "sum" else -f for f in digits)]
+        return torch.tensor(values, dtype=torch.float64, device=device)
+    f = state_fingerprint(state, device)
+    return torch.cat([f, f * f if kind.op == "sum" else -f]).to(torch.float64)
+
+
+def state_fingerprint(state: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Two integers in ``[0, 65521)``, as int64 on ``device``, from the bits of ``state``'s tensors in order.
+
+    Each digit is a weighted sum of the state's 32-bit words (a 2-byte or
+    1-byte element counts as one word) modulo the prime, with non-zero
+    weights that depend on the word's position. A change of one word is
+    seen by both digits unless it is a multiple of 65521 (its residue is
+    what counts); a change of several words escapes both only by a
+    coincidence of two linear sums modulo the prime. Bits are compared, so
+    the ranks' states must be equal to the bit, as they are when every rank
+    computes them with the same ops from the same reduced norm. Exact in
+    int64: each product is below 2**47, so up to 2**16 words need no
+    reduction before the sum (and more are reduced first, to below 2**32).
+    """
+    words = torch.cat([w if w.device == device else w.to(device) for w in map(_words, state)])
+    if words.numel() > _UNREDUCED_WORDS:
+        words = words.remainder(_PRIME)
     # A multiply and a sum, not a matrix product: for a few words BLAS's set-up costs ~50 us on a CPU.
-    return (words.unsqueeze(1) * _weights(words.numel(), device)).sum(dim=0).remainder(_PRIME)
-
-
-def state_entries(fingerprint: torch.Tensor, kind: NormKind) -> torch.Tensor:
-    """Returns the :data:`STATE_ENTRIES` values a rank adds to the reduced vector: ``f`` and ``f**2`` for a
-    sum, ``f`` and ``-f`` for a max or min."""
-    return torch.cat([fingerprint, fingerprint * fingerprint if kind.op == "sum" else -fingerprint])
+    return (_weights(words.numel(), device) * words).sum(dim=1).remainder(_PRIME)
 
 
 def state_poison(device: torch.device) -> torch.Tensor:
@@ -329,9 +350,8 @@ def state_poison(device: torch.device) -> torch.Tensor:
 
 
 def states_agree(
-    reduced: torch.Tensor,
+    theirs: torch.Tensor,
     entries: torch.Tensor,
-    fingerprint: torch.Tensor,
     total: torch.Tensor,
     kind: NormKind,
     world: World,
@@ -340,7 +360,7 @@ def states_agree(
     """Stops the step unless every rank's state is this rank's; returns that as a 0-dim bool for the caller
     to guard its scaling with where the stop may come later (on CUDA, or compiled), else ``None``.
 
-    ``reduced`` is the reduced vector's last :data:`STATE_ENTRIES` values,
+    ``theirs`` is the reduced vector's last :data:`STATE_ENTRIES` values,
     ``entries`` this rank's own (:func:`state_entries`). A NaN ``total`` lets
     the step pass: a peer failed before its statistics (``release_peers``;
     its own error says why; a max/min all-reduce may drop its NaN entries, the
@@ -350,20 +370,19 @@ def states_agree(
     rank is); on CUDA and compiled ``torch._assert_async`` (on CUDA a
     device-side assert: the process must be restarted).
     """
-    if kind.op == "sum":
-        assert world.mesh is not None
-        entries = entries * float(world.mesh.size())  # every rank's own, summed
-    agree = (reduced == entries).all() | total.isnan()
+    assert world.mesh is not None
+    ranks = float(world.mesh.size()) if kind.op == "sum" else 1.0  # a sum adds every rank's own
     message = f"ranks hold different {what}: {STATE_FIX}"
-    if torch.compiler.is_compiling() or agree.device.type != "cpu":
-        if agree.device.type in _ASSERTS:
-            torch._assert_async(agree, message)
-        return agree  # elsewhere the guard alone: the step is a no-op and skipped
-    # Eagerly on the CPU the collective has been waited for: reading the decision costs nothing.
-    if not bool(agree):
-        assert world.group_name is not None and world.mesh is not None
-        raise StateDisagreement(f"{message} ({_state_ranks(world, fingerprint)})")
-    return None
+    if not torch.compiler.is_compiling() and theirs.device.type == "cpu":
+        # Eagerly on the CPU the collective has been waited for: the decision is read on the host, as
+        # exact integers below 2**53.
+        if theirs.tolist() == [ranks * e for e in entries.tolist()] or math.isnan(total):
+            return None
+        raise StateDisagreement(f"{message} ({_state_ranks(world, entries[: len(_WEIGHTS)])})")
+    agree = (theirs == entries * ranks).all() | total.isnan()
+    if agree.device.type in _ASSERTS:
+        torch._assert_async(agree, message)
+    return agree  # elsewhere the guard alone: the step is a no-op and skipped
 
 
 def _state_ranks(world: World, fingerprint: torch.Tensor) -> str:
@@ -378,7 +397,7 @@ def _state_ranks(world: World, fingerprint: torch.Tensor) -> str:
 
 def _words(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bits as 32-bit words (a 2-byte or 1-byte element as one word)."""
-    flat = (t.detach() if t.requires_grad else t).reshape(-1)
+    flat = (t.detach() if t.requires_grad else t).reshape(-1).contiguous()
     if flat.dtype == torch.bool:
         flat = flat.to(torch.uint8)
     if flat.element_size() >= 4:
@@ -390,12 +409,45 @@ _WEIGHT_CACHE: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
 def _weights(n: int, device: torch.device) -> torch.Tensor:
-    """``(n, 2)`` float64 position weights in ``[1, 65521)``, never 0, one column per digit (cached eagerly;
+    """``(2, n)`` int64 position weights in ``[1, 65521)``, never 0, one row per digit (cached eagerly;
     traced, made in the graph)."""
     if not torch.compiler.is_compiling() and (n, device) in _WEIGHT_CACHE:
         return _WEIGHT_CACHE[n, device]
     i = torch.arange(n, dtype=torch.int64, device=device)
-    weights = torch.stack([(i * a + b) % (_PRIME - 1) + 1 for a, b in _WEIGHTS], dim=1).to(torch.float64)
+    weights = torch.stack([(i * a + b) % (_PRIME - 1) + 1 for a, b in _WEIGHTS])
     if not torch.compiler.is_compiling():
         _WEIGHT_CACHE[n, device] = weights
     return weights
+
+
+def _host_fingerprint(state: Sequence[torch.Tensor]) -> list[int] | None:
+    """:func:`state_fingerprint`'s digits computed on the host from the tensors' bytes, as Python ints;
+    ``None`` where that cannot be done: while tracing, or for a tensor that is not a plain contiguous CPU
+    tensor (a subclass, a CUDA tensor), or for a state of more than :data:`_HOST_WORDS` words."""
+    if torch.compiler.is_compiling():
+        return None
+    words: list[int] = []
+    for t in state:
+        if type(t) is not torch.Tensor or t.device.type != "cpu" or not t.is_contiguous():
+            return None
+        if t.numel() == 0:
+            continue
+        size = t.element_size()
+        # The element's bytes as the tensor ops read them (_words): native-order signed 32-bit words,
+        # a 2-byte element as a signed 16-bit one, a 1-byte element (bool included) unsigned.
+        raw = ctypes.string_at(t.data_ptr(), t.numel() * size)
+        words.extend(memoryview(raw).cast("i" if size >= 4 else "h" if size == 2 else "B"))
+        if len(words) > _HOST_WORDS:
+            return None
+    weights = _host_weights(len(words))
+    return [sum(map(operator.mul, words, row)) % _PRIME for row in weights]
+
+
+_HOST_WEIGHT_CACHE: dict[int, list[list[int]]] = {}
+
+
+def _host_weights(n: int) -> list[list[int]]:
+    """:func:`_weights` as Python ints."""
+    if n not in _HOST_WEIGHT_CACHE:
+        _HOST_WEIGHT_CACHE[n] = [[(i * a + b) % (_PRIME - 1) + 1 for i in range(n)] for a, b in _WEIGHTS]
+    return _HOST_WEIGHT_CACHE[n]

@@ -24,7 +24,6 @@ from ._agree import (
     carries_state,
     check_options,
     state_entries,
-    state_fingerprint,
     states_agree,
 )
 from ._layout import World, count_copies, pipeline_stages, resolve_world
@@ -131,19 +130,18 @@ def measure(
     n = len(labels) + 1
     with_state = state is not None and carries_state(world)
     if with_state:
-        fingerprint = state_fingerprint(state, stats.device)
-        entries = state_entries(fingerprint, kind)
+        entries = state_entries(state, kind, stats.device)
         stats = torch.cat([stats, entries])
     # Waited for at once, in eager mode: everything after reads it, and every op on the collective's
     # AsyncCollectiveTensor would go through its Python __torch_dispatch__ (~0.1 ms each on a CPU).
     reduced = _plain(all_reduce_statistics(stats, kind, world))
     if with_state:
-        reduced, theirs = reduced[:-STATE_ENTRIES], reduced[-STATE_ENTRIES:]
+        reduced, theirs = reduced.split([reduced.numel() - STATE_ENTRIES, STATE_ENTRIES])
     per_entry, total = kind.decode(reduced, per_group=bool(labels) or opts.params is not None, n_total=n)
     same_state = None
     if with_state:
         what = _STATE_NAMES.get(type(state).__name__, "adaptive states")
-        same_state = states_agree(theirs, entries, fingerprint, total, kind, world, what)
+        same_state = states_agree(theirs, entries, total, kind, world, what)
     # Float64, as the reduced statistics: every rank holds these bits, whatever leaves it holds (a
     # stage's own dtypes would differ between stages), and a float64 model keeps a float64 norm.
     groups = {label: per_entry[i] for i, label in enumerate(labels)} if labels else {}

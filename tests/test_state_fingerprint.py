@@ -1,0 +1,122 @@
+"""The adaptive state's fingerprint (``_agree``): two digits of the state's bits, on the host or by tensor ops.
+
+Every rank adds its state's fingerprint to the one all-reduce, and ranks
+agree only if every rank's digits are equal, so the digits must be a
+function of the bits alone, whichever way a rank computes them: eagerly on
+the host from a CPU state's bytes, or by tensor ops (a CUDA state, a traced
+step, a state too large for the host). Checked against a reference computed
+the obvious way, from each element's bytes with Python integers.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ppclip_func import init_clip_state
+from ppclip_func._agree import _HOST_WORDS, _host_fingerprint, state_entries, state_fingerprint
+from ppclip_func._norms import norm_kind
+
+PRIME = 65521
+WEIGHTS = ((7919, 1), (104729, 7))
+CPU = torch.device("cpu")
+DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int8, torch.bool]
+
+
+def reference(state: list[torch.Tensor]) -> list[int]:
+    """Each element's bytes read as signed 32-bit words (a 2-byte element as a signed word, a 1-byte one
+    unsigned), in order; each digit the sum of word * ((i * a + b) % (PRIME - 1) + 1) modulo PRIME."""
+    words = []
+    for t in state:
+        raw = bits(t)
+        step = min(t.element_size(), 4)
+        for k in range(0, len(raw), step):
+            words.append(int.from_bytes(raw[k : k + step], sys.byteorder, signed=step > 1))
+    return [sum(w * ((i * a + b) % (PRIME - 1) + 1) for i, w in enumerate(words)) % PRIME for a, b in WEIGHTS]
+
+
+def bits(t: torch.Tensor) -> bytes:
+    """``t``'s elements' bytes, in order."""
+    return bytes(t.contiguous().clone().untyped_storage())
+
+
+def from_bytes(data: bytes, dtype: torch.dtype) -> torch.Tensor:
+    """A 1-D tensor of ``dtype`` holding ``data``'s bits (any bits: NaN payloads, -0.0, denormals)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    data = data[: len(data) // size * size]
+    if dtype == torch.bool:  # a bool holds 0 or 1
+        data = bytes(b & 1 for b in data)
+    if not data:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).clone()
+
+
+states = st.lists(
+    st.tuples(st.binary(min_size=0, max_size=64), st.sampled_from(DTYPES)).map(lambda p: from_bytes(*p)),
+    min_size=1,
+    max_size=4,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(states)
+def test_the_digits_are_the_reference_on_the_host_and_by_tensor_ops(state):
+    want = reference(state)
+    assert _host_fingerprint(state) == want
+    assert state_fingerprint(state, CPU).tolist() == want
+
+
+@settings(max_examples=200, deadline=None)
+@given(states, st.data())
+def test_one_flipped_bit_changes_both_digits(state, data):
+    flat = [t for t in state if t.numel() > 0 and t.dtype != torch.bool]
+    if not flat:
+        flat = [torch.tensor([1.5], dtype=torch.float64)]
+    k = data.draw(st.integers(0, len(flat) - 1))
+    t = flat[k]
+    raw = bytearray(bits(t))
+    bit = data.draw(st.integers(0, 8 * len(raw) - 1))
+    raw[bit // 8] ^= 1 << (bit % 8)
+    changed = [*flat[:k], from_bytes(bytes(raw), t.dtype).reshape(t.shape), *flat[k + 1 :]]
+    # A flip changes one word by a power of two, never a multiple of the prime: both digits move.
+    before, after = _host_fingerprint(flat), _host_fingerprint(changed)
+    assert before[0] != after[0] and before[1] != after[1]
+
+
+def test_a_clip_state_and_its_entries():
+    state = init_clip_state()._replace(count=torch.tensor(17), mean=torch.tensor(1.25, dtype=torch.float64))
+    f = reference(list(state))
+    assert state_entries(state, norm_kind(2.0), CPU).tolist() == [*f, *(x * x for x in f)]
+    assert state_entries(state, norm_kind(float("inf")), CPU).tolist() == [*f, *(-x for x in f)]
+    assert state_entries(state, norm_kind(2.0), CPU).dtype == torch.float64
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        pytest.param([torch.arange(12.0, dtype=torch.float64)[::2]], id="non-contiguous"),
+        pytest.param([torch.tensor(3), torch.linspace(0, 1, _HOST_WORDS + 1)], id="more words than the host takes"),
+        pytest.param([torch.randn(70_000, generator=torch.Generator().manual_seed(0))], id="words reduced first"),
+    ],
+)
+def test_states_the_host_leaves_to_tensor_ops_give_the_same_digits(state):
+    assert _host_fingerprint(state) is None
+    want = reference(state)
+    assert state_fingerprint(state, CPU).tolist() == want
+    assert state_entries(state, norm_kind(2.0), CPU).tolist()[:2] == want
+
+
+def test_a_traced_fingerprint_is_the_hosts():
+    state = init_clip_state()._replace(count=torch.tensor(5), var=torch.tensor(0.5, dtype=torch.float64))
+    entries = torch.compile(lambda s: state_entries(s, norm_kind(2.0), CPU), backend="aot_eager", fullgraph=True)
+    assert entries(state).tolist() == state_entries(state, norm_kind(2.0), CPU).tolist()
+    assert entries(state).tolist()[:2] == reference(list(state))
+
+
+def test_a_contiguous_view_is_read_from_its_own_offset():
+    whole = torch.arange(10.0, dtype=torch.float64)
+    assert _host_fingerprint([whole[3:7]]) == reference([whole[3:7]]) != reference([whole[:4]])
