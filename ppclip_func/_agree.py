@@ -42,9 +42,11 @@ adds a collective to the steady state:
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import math
 import operator
+import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -244,7 +246,7 @@ def _snapshot(values: tuple) -> tuple:
 
 
 def _same(values: tuple, seen: tuple) -> bool:
-    return all(_equal(a, b) for a, b in zip(values, seen, strict=True))
+    return len(values) == len(seen) and all(_equal(a, b) for a, b in zip(values, seen))
 
 
 def _equal(a: Any, b: Any) -> bool:
@@ -252,13 +254,39 @@ def _equal(a: Any, b: Any) -> bool:
     ``ParamIndex`` names every step), a mapping by its items, a tensor only as being a tensor."""
     if a is b:
         return True
+    if isinstance(a, types.FunctionType) and isinstance(b, types.FunctionType):
+        # The same code with the same captured values and defaults (a lambda written inline in the
+        # training loop is a new object every step, and must not be a new configuration every step).
+        return (
+            a.__code__ is b.__code__
+            and _same(a.__defaults__ or (), b.__defaults__ or ())
+            and _same(_cells(a), _cells(b))
+            and a.__kwdefaults__ == b.__kwdefaults__
+        )
+    if isinstance(a, functools.partial) and isinstance(b, functools.partial):
+        return _same((a.func, a.args, a.keywords), (b.func, b.args, b.keywords))
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
     if isinstance(a, Mapping):
-        return isinstance(b, dict) and (a if isinstance(a, dict) else dict(a)) == b
+        # In order: a mapping's order is the order of its entries in the reduced vector (groups=).
+        return isinstance(b, dict) and list(a) == list(b) and all(_equal(a[k], b[k]) for k in a)
     if isinstance(a, list):
         a = tuple(a)
     return type(a) is type(b) and bool(a == b)
+
+
+def _cells(f: types.FunctionType) -> tuple:
+    """The values a function's closure captured (an empty cell as a marker of its own)."""
+    out = []
+    for cell in f.__closure__ or ():
+        try:
+            out.append(cell.cell_contents)
+        except ValueError:  # a cell not filled yet
+            out.append(_EMPTY_CELL)
+    return tuple(out)
+
+
+_EMPTY_CELL = object()
 
 
 def agreed(**options: Any) -> tuple[tuple[str, Any], ...]:
@@ -304,9 +332,10 @@ def _moves_data(group_name: str) -> bool:
 
 
 def state_entries(state: Sequence[torch.Tensor], kind: NormKind, device: torch.device) -> torch.Tensor:
-    """Returns the :data:`STATE_ENTRIES` float64 values a rank adds to the reduced vector, on ``device``:
-    the state's fingerprint ``f`` (:func:`state_fingerprint`) and ``f**2`` for a sum, ``f`` and ``-f`` for
-    a max or min.
+    """Returns the :data:`STATE_ENTRIES` values a rank adds to the reduced vector, on ``device``: the
+    state's fingerprint ``f`` (:func:`state_fingerprint`) and ``f**2`` for a sum, ``f`` and ``-f`` for a
+    max or min; integers below 2**32, as float64 on the host path and as int64 by tensor ops (one kernel
+    fewer: the concatenation with the float64 statistics converts them).
 
     Eagerly, where the state's tensors are on the CPU, the fingerprint is
     taken on the host from their bytes (a ``ClipState``'s in ~7 us, where
@@ -319,7 +348,7 @@ def state_entries(state: Sequence[torch.Tensor], kind: NormKind, device: torch.d
         values = [*digits, *(f * f if kind.op == "sum" else -f for f in digits)]
         return torch.tensor(values, dtype=torch.float64, device=device)
     f = state_fingerprint(state, device)
-    return torch.cat([f, f * f if kind.op == "sum" else -f]).to(torch.float64)
+    return torch.cat([f, f * f if kind.op == "sum" else -f])
 
 
 def state_fingerprint(state: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -371,7 +400,8 @@ def states_agree(
     device-side assert: the process must be restarted).
     """
     assert world.mesh is not None
-    ranks = float(world.mesh.size()) if kind.op == "sum" else 1.0  # a sum adds every rank's own
+    # A sum adds every rank's own; an int, so that int64 entries stay int64 (exact: below 2**53).
+    ranks = world.mesh.size() if kind.op == "sum" else 1
     message = f"ranks hold different {what}: {STATE_FIX}"
     if not torch.compiler.is_compiling() and theirs.device.type == "cpu":
         # Eagerly on the CPU the collective has been waited for: the decision is read on the host, as

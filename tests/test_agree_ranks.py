@@ -401,6 +401,34 @@ def after_the_first_call_one_all_reduce_and_nothing_else(rank: int, world_size: 
     dist.barrier()
 
 
+def _ending_with(suffix: str) -> object:
+    return lambda name: name.endswith(suffix)  # a new function object every call
+
+
+def a_groups_function_written_in_the_loop_is_one_configuration(rank: int, world_size: int) -> None:
+    mesh, _stage, params = _fresh()
+    gather, all_reduce = "c10d._allgather_base_", "_c10d_functional.all_reduce"
+    seen = []
+    for _ in range(3):
+        with CollectiveCounter() as c:
+            clip_grad_norm_(params, mesh, 1.0, groups={"weights": lambda name: name.endswith("weight")})
+        seen.append(c.ops)
+    assert seen == [[gather, all_reduce], [all_reduce], [all_reduce]], seen
+    # The same code capturing another value, or the same groups in another order, is another
+    # configuration: checked once, then remembered.
+    configurations = [
+        {"weights": _ending_with("weight")},
+        {"weights": _ending_with("bias")},
+        {"w": _ending_with("weight"), "b": _ending_with("bias")},
+        {"b": _ending_with("bias"), "w": _ending_with("weight")},
+    ]
+    for i, groups in enumerate(configurations * 2):
+        with CollectiveCounter() as c:
+            clip_grad_norm_(params, mesh, 1.0, groups=groups)
+        first_sight = i < len(configurations)
+        assert c.ops == [gather] * first_sight + [all_reduce], (i, c.ops)
+
+
 def compiled_with_its_state_check_one_graph_one_all_reduce_no_host_read(rank: int, world_size: int) -> None:
     mesh, _, params = _fresh()
     grads = {n: p.grad for n, p in params.items()}
@@ -451,6 +479,7 @@ CASES = [
     an_adagc_state_that_differs_on_one_rank,
     the_same_state_steps_on,
     after_the_first_call_one_all_reduce_and_nothing_else,
+    a_groups_function_written_in_the_loop_is_one_configuration,
     compiled_with_its_state_check_one_graph_one_all_reduce_no_host_read,
     inductor_keeps_every_gradient_when_the_states_differ,
 ]
