@@ -230,7 +230,7 @@ def _step(
     coef, skip, new_state = adagc_update(measured.total, measured.per_param, state, rule)
     if measured.agree is not None:  # states that differ: no gradient scaled, the step skipped (see _call._adapt)
         coef = torch.where(measured.agree, coef, 1.0)
-        skip = skip | ~measured.agree
+        skip = torch.where(measured.agree, skip, True)
     params_in = included_params(index.names, groups, labels, excluded)
     if params_in is not None:  # excluded parameters: coefficient 1, gamma left as it was (static mask)
         mask = torch.tensor(params_in).to(coef.device)

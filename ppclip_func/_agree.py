@@ -427,7 +427,9 @@ def _state_ranks(world: World, fingerprint: torch.Tensor) -> str:
 
 def _words(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bits as 32-bit words (a 2-byte or 1-byte element as one word)."""
-    flat = (t.detach() if t.requires_grad else t).reshape(-1).contiguous()
+    flat = (t.detach() if t.requires_grad else t).reshape(-1)
+    if not flat.is_contiguous():  # a strided view: its elements copied, in order
+        flat = flat.contiguous()
     if flat.dtype == torch.bool:
         flat = flat.to(torch.uint8)
     if flat.element_size() >= 4:

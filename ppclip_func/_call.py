@@ -33,7 +33,7 @@ def _adapt(measured: Measured, state: ClipState, rule: Rule, with_groups: bool) 
         # Ranks whose states differ stop at the check (_agree); where that stop is asynchronous
         # (CUDA), nothing is scaled or stepped by a decision the ranks do not share.
         threshold = torch.where(measured.agree, threshold, math.inf)
-        skip = skip | ~measured.agree
+        skip = torch.where(measured.agree, skip, True)
     groups = measured.per_group if with_groups else None
     return ClipStats(total, threshold.to(total.dtype), zscore, skip, new_state, groups, measured.per_param)
 
