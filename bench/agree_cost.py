@@ -13,12 +13,18 @@
 
 "Without" switches the check off in the library (a no-op ``check_options``;
 ``carries_state`` false, so no entries and no assert), in the same process,
-interleaved round by round with "with" (``bench/_timing.interleaved``). Two
-gloo ranks (a one-rank world has no collective, so no state check), one
-torch thread each, a barrier before each timed call.
+interleaved round by round with "with" (``bench/_timing.interleaved``), and
+run a second time in each round as an A/A control: the spread of
+without/without is what a with/without ratio can resolve. Two gloo ranks (a
+one-rank world has no collective, so no state check), one torch thread
+each, a barrier before each timed call. The precise numbers are the checks
+timed by themselves, the state check interleaved with the smallest
+adaptive clip (its share of that clip).
 
 Run: ``python -m bench.agree_cost`` (``--quick`` for a short run). Writes
-``bench/results/agree_cost.json``.
+``bench/results/agree_cost.json``. With ``--device cuda`` both ranks share
+the one GPU (gloo moves CUDA tensors; NCCL wants a GPU per rank), each call
+is waited for on the device, and ``agree_cost_cuda.json`` is written.
 """
 
 from __future__ import annotations
@@ -28,13 +34,14 @@ import contextlib
 import json
 import pathlib
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import ppclip_func._measure as measure_module
-from bench._dist import spawn
+from bench._dist import single_rank_group, spawn
 from bench._shapes import gpt_shapes, make_grads, make_params, numel
 from bench._timing import interleaved, machine
 from ppclip_func import (
@@ -61,51 +68,68 @@ def checks_off():
         measure_module.check_options, measure_module.carries_state = saved
 
 
-def _params(n: int, size: int) -> dict[str, torch.nn.Parameter]:
+def _params(n: int, size: int, device: torch.device) -> dict[str, torch.nn.Parameter]:
     torch.manual_seed(0)
-    params = {f"layers.{i}.w": torch.nn.Parameter(torch.zeros(size)) for i in range(n)}
+    params = {f"layers.{i}.w": torch.nn.Parameter(torch.zeros(size, device=device)) for i in range(n)}
     for p in params.values():
-        p.grad = torch.randn(size)
+        p.grad = torch.randn(size, device=device)
     return params
 
 
-def _pair(call) -> dict:
-    """``call`` with the checks and without, as interleaved variants; the grads are reset by ``call``."""
+def _device(mesh) -> torch.device:
+    """The device the mesh's ranks hold their tensors on (on CUDA, the rank's current one)."""
+    return torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+
+
+def _done(device: torch.device) -> None:
+    """Waits for the device's queued work, so that a call's time is its whole time."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _pair(call, device: torch.device) -> dict:
+    """``call`` with the checks and without, as interleaved variants, each waited for on ``device``."""
+
+    def with_checks():
+        call()
+        _done(device)
 
     def without():
         with checks_off():
             call()
+        _done(device)
 
-    return {"with": call, "without": without}
+    return {"with": with_checks, "without": without}
 
 
 def eager_cases(mesh, quick: bool) -> dict[str, dict]:
+    device = _device(mesh)
     n, size = (100, 4096) if not quick else (50, 1024)
-    params = _params(n, size)
+    params = _params(n, size, device)
     groups = {name: name for name in params}
     index = param_norm_index(params, mesh)
     big = 1e9  # nothing is scaled: every call sees the same grads
 
     def adaptive():
-        adaptive_clip_grad_norm_(params, mesh, init_clip_state(), max_norm=big, param_norms=index)
+        adaptive_clip_grad_norm_(params, mesh, init_clip_state(device), max_norm=big, param_norms=index)
 
     dim, layers = (768, 12) if not quick else (64, 2)
     named = [name for name, _ in gpt_shapes(dim, layers, 50257 if not quick else 512, 1024 if not quick else 64)]
     shapes = [shape for _, shape in gpt_shapes(dim, layers, 50257 if not quick else 512, 1024 if not quick else 64)]
-    gpt = dict(zip(named, make_params(make_grads(shapes, torch.float32)), strict=True))
+    gpt = dict(zip(named, make_params(make_grads(shapes, torch.float32, device=device)), strict=True))
     gpt_name = f"{len(gpt)} leaves, {numel(shapes) / 1e6:.0f} M elements"
 
     def adaptive_gpt():
-        adaptive_clip_grad_norm_(gpt, mesh, init_clip_state(), max_norm=big)
+        adaptive_clip_grad_norm_(gpt, mesh, init_clip_state(device), max_norm=big)
 
     return {
-        f"adaptive_clip_grad_norm_, GPT-2 shapes ({gpt_name})": _pair(adaptive_gpt),
-        f"clip_grad_norm_, GPT-2 shapes ({gpt_name})": _pair(lambda: clip_grad_norm_(gpt, mesh, big)),
-        f"clip_grad_norm_, {n} leaves of {size}": _pair(lambda: clip_grad_norm_(params, mesh, big)),
+        f"adaptive_clip_grad_norm_, GPT-2 shapes ({gpt_name})": _pair(adaptive_gpt, device),
+        f"clip_grad_norm_, GPT-2 shapes ({gpt_name})": _pair(lambda: clip_grad_norm_(gpt, mesh, big), device),
+        f"clip_grad_norm_, {n} leaves of {size}": _pair(lambda: clip_grad_norm_(params, mesh, big), device),
         f"clip_grad_norm_, {n} leaves of {size}, {n} groups": _pair(
-            lambda: clip_grad_norm_(params, mesh, big, groups=groups)
+            lambda: clip_grad_norm_(params, mesh, big, groups=groups), device
         ),
-        f"adaptive_clip_grad_norm_ with param_norms, {n} leaves of {size}": _pair(adaptive),
+        f"adaptive_clip_grad_norm_ with param_norms, {n} leaves of {size}": _pair(adaptive, device),
     }
 
 
@@ -119,14 +143,16 @@ def _step_without(g, state, mesh):  # the same, a code object of its own: dynamo
 
 def compiled_case(mesh, quick: bool) -> tuple[str, dict, dict[str, float]]:
     """The compiled functional adaptive clip, traced and run with the state check and without."""
+    device = _device(mesh)
     if quick:
-        grads = {name: p.grad for name, p in _params(8, 4096).items()}
+        grads = {name: p.grad for name, p in _params(8, 4096, device).items()}
         what = "8 leaves of 4096"
     else:
-        shapes = gpt_shapes(768, 12, 50257, 1024)
-        grads = dict(zip([n for n, _ in shapes], make_grads([s for _, s in shapes], torch.float32), strict=True))
-        what = f"GPT-2 shapes ({len(grads)} leaves, {numel([s for _, s in shapes]) / 1e6:.0f} M elements)"
-    state = init_clip_state()
+        shapes = [s for _, s in gpt_shapes(768, 12, 50257, 1024)]
+        names = [n for n, _ in gpt_shapes(768, 12, 50257, 1024)]
+        grads = dict(zip(names, make_grads(shapes, torch.float32, device=device), strict=True))
+        what = f"GPT-2 shapes ({len(grads)} leaves, {numel(shapes) / 1e6:.0f} M elements)"
+    state = init_clip_state(device)
     torch._dynamo.reset()
     fns = {"with": torch.compile(_step_with, fullgraph=True), "without": torch.compile(_step_without, fullgraph=True)}
 
@@ -174,14 +200,14 @@ def state_check(mesh, n_stats: int):
     end of a statistics vector of ``n_stats`` values and back out of it, and the comparison."""
     from ppclip_func._agree import STATE_ENTRIES, state_entries, states_agree
 
-    world, kind, cpu = _world(mesh), norm_kind(2.0), torch.device("cpu")
-    state = init_clip_state()
-    norm = torch.tensor(1.0, dtype=torch.float64)  # finite: a NaN norm is not checked
-    stats = torch.zeros(n_stats, dtype=torch.float64)
-    summed = state_entries(state, kind, cpu) * float(world.mesh.size())  # what agreeing ranks' entries sum to
+    world, kind, device = _world(mesh), norm_kind(2.0), _device(mesh)
+    state = init_clip_state(device)
+    norm = torch.tensor(1.0, dtype=torch.float64, device=device)  # finite: a NaN norm is not checked
+    stats = torch.zeros(n_stats, dtype=torch.float64, device=device)
+    summed = state_entries(state, kind, device) * float(world.mesh.size())  # what agreeing ranks' entries sum to
 
     def check() -> None:
-        entries = state_entries(state, kind, cpu)
+        entries = state_entries(state, kind, device)
         reduced = torch.cat([stats, summed])  # as the clip's one cat of its statistics and the entries
         reduced, theirs = reduced.split([reduced.numel() - STATE_ENTRIES, STATE_ENTRIES])
         states_agree(theirs, entries, norm, kind, world, "a ClipState")
@@ -196,38 +222,117 @@ def state_check_share(mesh, quick: bool, clip, runs: int) -> dict[str, float]:
     n = 100 if not quick else 50
     check = state_check(mesh, 2 * (n + 1) + 2 * n)  # the groups' and the parameters' entries
     reps = 50
+
+    def checks() -> None:
+        for _ in range(reps):
+            check()
+        _done(_device(mesh))
+
     t = interleaved(
-        {"clip": clip, "checks": lambda: [check() for _ in range(reps)]}, runs=runs, warmup=3, barrier=dist.barrier
+        {"clip": clip, "checks": checks},
+        runs=runs,
+        warmup=3,
+        barrier=dist.barrier,
     )
     us = 1e3 * t.ms("checks") / reps
     return {"check_us": us, "clip_without_checks_ms": t.ms("clip"), "share": us / (1e3 * t.ms("clip"))}
 
 
-def _rank(rank: int, world: int, quick: bool) -> dict | None:
+def _rank(rank: int, world: int, quick: bool, device_type: str) -> dict | None:
     torch.set_num_threads(1)
     runs = 7 if quick else 41
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    if device_type == "cuda":
+        torch.cuda.set_device(0)  # the ranks share the one GPU (gloo moves CUDA tensors; NCCL needs one each)
+    mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("dp",))
     rows = []
     eager = eager_cases(mesh, quick)
     cases = [*eager.items(), compiled_case(mesh, quick)[:2]]
     for name, variants in cases:
-        t = interleaved(variants, runs=runs, warmup=3, barrier=dist.barrier)
+        # "without" twice: the spread of an A/A ratio is what a with/without ratio can resolve. The small
+        # clips (a few ms) get many more rounds: their ratios are the ones near the goal.
+        rounds = runs if "GPT-2" in name or quick else 301
+        t = interleaved({**variants, "without again": variants["without"]}, runs=rounds, warmup=3, barrier=dist.barrier)
         rows.append(
-            {"case": name, "with_ms": t.ms("with"), "without_ms": t.ms("without"), "ratio": t.ratio("with", "without")}
+            {
+                "case": name,
+                "with_ms": t.ms("with"),
+                "without_ms": t.ms("without"),
+                "ratio": t.ratio("with", "without"),
+                "a_a_ratio": t.ratio("without again", "without"),
+                "rounds": rounds,
+            }
         )
     solo = alone(mesh, quick)
     smallest = next(variants for name, variants in eager.items() if name.startswith("adaptive_clip_grad_norm_ with"))
     share = state_check_share(mesh, quick, smallest["without"], runs)
-    result = {"machine": machine(), "ranks": world, "runs": runs, "rows": rows, "alone_us": solo, "state_check": share}
+    result = {
+        "machine": machine(),
+        "device": torch.cuda.get_device_name() if device_type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "ranks": world,
+        "runs": runs,
+        "rows": rows,
+        "alone_us": solo,
+        "state_check": share,
+    }
     return result if rank == 0 else None
+
+
+def one_gpu(quick: bool) -> dict[str, float]:
+    """On one GPU, in one process (no second rank sharing it): the eager state check's time per step, and
+    the eager adaptive clips it would run in (``mesh=None``: their local work and scaling, no collective),
+    each call waited for on the device."""
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    with single_rank_group():
+        mesh = init_device_mesh("cuda", (1,), mesh_dim_names=("dp",))
+        check = state_check(mesh, 2 * 149)
+        n, size = (100, 4096) if not quick else (50, 1024)
+        small = _params(n, size, device)
+        shapes = gpt_shapes(768, 12, 50257, 1024) if not quick else gpt_shapes(64, 2, 512, 64)
+        gpt = make_params(make_grads([s for _, s in shapes], torch.float32, device=device))
+        reps = 50
+
+        def checks() -> None:
+            for _ in range(reps):
+                check()
+            torch.cuda.synchronize()
+
+        def clip(params) -> Callable[[], None]:
+            def run() -> None:
+                adaptive_clip_grad_norm_(params, None, init_clip_state(device), max_norm=1e9)
+                torch.cuda.synchronize()
+
+            return run
+
+        t = interleaved(
+            {"checks": checks, "small": clip(small), "gpt": clip(gpt)}, runs=21 if not quick else 7, warmup=3
+        )
+    us = 1e3 * t.ms("checks") / reps
+    return {
+        "check_us": us,
+        f"adaptive clip, {n} leaves of {size} (ms)": t.ms("small"),
+        "adaptive clip, GPT-2 shapes (ms)": t.ms("gpt"),
+        "share of the small clip": us / (1e3 * t.ms("small")),
+        "share of the GPT-2 clip": us / (1e3 * t.ms("gpt")),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, few rounds; writes only with --out")
     parser.add_argument("--out", type=pathlib.Path, help=f"where agree_cost.json goes (default {RESULTS.parent})")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: both ranks on the one GPU, gloo moving CUDA tensors",
+    )
     args = parser.parse_args()
-    result = spawn(_rank, 2, args.quick, timeout=1800)[0]
+    result = spawn(_rank, 2, args.quick, args.device, timeout=1800)[0]
+    if args.device == "cuda":
+        result["one_gpu"] = one_gpu(args.quick)
+        print("one GPU, one process:", {k: round(v, 4) for k, v in result["one_gpu"].items()})
     for name, us in result["alone_us"].items():
         print(f"check alone, {name}: {us:.1f} us per call")
     share = result["state_check"]
@@ -236,9 +341,12 @@ def main() -> None:
         f"{100 * share['share']:.2f} % of the smallest adaptive clip ({share['clip_without_checks_ms']:.3f} ms)"
     )
     for r in result["rows"]:
-        print(f"{r['case']}: with {r['with_ms']:.3f} ms, without {r['without_ms']:.3f} ms, ratio {r['ratio']:.3f}")
+        print(
+            f"{r['case']}: with {r['with_ms']:.3f} ms, without {r['without_ms']:.3f} ms, ratio {r['ratio']:.3f} "
+            f"(without / without: {r['a_a_ratio']:.3f})"
+        )
     if args.out is not None or not args.quick:
-        out = (args.out or RESULTS.parent) / RESULTS.name
+        out = (args.out or RESULTS.parent) / (RESULTS.name if args.device == "cpu" else "agree_cost_cuda.json")
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({**result, "quick": args.quick}, indent=1) + "\n")
 
