@@ -58,14 +58,16 @@ RESULTS = pathlib.Path(__file__).parent / "results" / "agree_cost.json"
 
 @contextlib.contextmanager
 def checks_off():
-    """The library with neither check: no options comparison, no state entries in the all-reduce."""
-    saved = measure_module.check_options, measure_module.carries_state
+    """The library with neither check: no options comparison, no state fingerprint, no state entries in the
+    all-reduce."""
+    saved = measure_module.check_options, measure_module.carries_state, measure_module.host_fingerprint
     measure_module.check_options = lambda *args, **kwargs: None
     measure_module.carries_state = lambda world: False
+    measure_module.host_fingerprint = lambda state: None
     try:
         yield
     finally:
-        measure_module.check_options, measure_module.carries_state = saved
+        measure_module.check_options, measure_module.carries_state, measure_module.host_fingerprint = saved
 
 
 def _params(n: int, size: int, device: torch.device) -> dict[str, torch.nn.Parameter]:

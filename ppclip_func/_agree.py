@@ -47,6 +47,7 @@ import functools
 import hashlib
 import math
 import operator
+import struct
 import types
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -357,7 +358,9 @@ def _moves_data(group_name: str) -> bool:
 _MOVES_DATA: dict[str, bool] = per_group_cache({})
 
 
-def state_entries(state: Sequence[torch.Tensor], kind: NormKind, device: torch.device) -> torch.Tensor:
+def state_entries(
+    state: Sequence[torch.Tensor], kind: NormKind, device: torch.device, digits: list[int] | None = None
+) -> torch.Tensor:
     """Returns the :data:`STATE_ENTRIES` values a rank adds to the reduced vector, on ``device``: the
     state's fingerprint ``f`` (:func:`state_fingerprint`) and ``f**2`` for a sum, ``f`` and ``-f`` for a
     max or min; integers below 2**32, as float64 on the host path and as int64 by tensor ops (one kernel
@@ -367,9 +370,10 @@ def state_entries(state: Sequence[torch.Tensor], kind: NormKind, device: torch.d
     taken on the host from their bytes (a ``ClipState``'s in ~7 us, where
     the tensor ops take ~17 us, each op a few us of dispatch) and the values
     are made as one tensor; else by tensor ops on ``device``. Both give the
-    same integers (``tests/test_state_fingerprint.py``).
+    same integers (``tests/test_state_fingerprint.py``). ``digits``: the
+    host's fingerprint (:func:`host_fingerprint`) if the caller took it.
     """
-    digits = _host_fingerprint(state)
+    digits = digits if digits is not None else host_fingerprint(state)
     if digits is not None:
         # From a Python array, not a list: a third of torch.tensor's time (the clip copies it at once).
         own = array.array("d", [*digits, *(f * f if kind.op == "sum" else -f for f in digits)])
@@ -481,7 +485,7 @@ def _weights(n: int, device: torch.device) -> torch.Tensor:
     return weights
 
 
-def _host_fingerprint(state: Sequence[torch.Tensor]) -> list[int] | None:
+def host_fingerprint(state: Sequence[torch.Tensor]) -> list[int] | None:
     """:func:`state_fingerprint`'s digits computed on the host from the tensors' bytes, as Python ints;
     ``None`` where that cannot be done: while tracing, or for a tensor that is not a plain contiguous CPU
     tensor (a subclass, a CUDA tensor), or for a state of more than :data:`_HOST_WORDS` words."""
@@ -489,7 +493,15 @@ def _host_fingerprint(state: Sequence[torch.Tensor]) -> list[int] | None:
         return None
     words: list[int] = []
     for t in state:
-        if type(t) is not torch.Tensor or not t.is_cpu or not t.is_contiguous():
+        if type(t) is not torch.Tensor or not t.is_cpu:
+            return None
+        scalar = _EXACT_SCALARS.get(t.dtype) if t.dim() == 0 else None
+        if scalar is not None:
+            # Its Python value holds its bits exactly (a ClipState's three are such): half the time of
+            # reading its memory.
+            words += memoryview(struct.pack(scalar, t.item())).cast("i")
+            continue
+        if not t.is_contiguous():
             return None
         size = t.element_size()
         if len(words) + t.numel() * size // min(size, 4) > _HOST_WORDS:
@@ -503,6 +515,8 @@ def _host_fingerprint(state: Sequence[torch.Tensor]) -> list[int] | None:
 
 
 _WORD_FORMATS = {4: "i", 2: "h", 1: "B"}  # by element size (larger elements: several 4-byte words)
+# dtypes whose 0-dim tensors' .item() gives back the very bits, with struct's native format for them.
+_EXACT_SCALARS = {torch.int64: "=q", torch.float64: "=d", torch.int32: "=i"}
 
 
 _HOST_WEIGHT_CACHE: dict[int, list[list[int]]] = {}

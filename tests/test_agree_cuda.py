@@ -46,7 +46,7 @@ def _fresh():
 def the_digits_on_cuda_are_the_hosts(rank: int, world_size: int) -> None:
     cpu = [torch.tensor(7), torch.tensor(1.5, dtype=torch.float64), torch.randn(5).to(torch.bfloat16)]
     on_gpu = [t.cuda() for t in cpu]
-    assert _agree._host_fingerprint(on_gpu) is None  # a CUDA state is not read on the host
+    assert _agree.host_fingerprint(on_gpu) is None  # a CUDA state is not read on the host
     assert _agree.state_fingerprint(on_gpu, torch.device("cuda")).tolist() == reference(cpu)
 
 

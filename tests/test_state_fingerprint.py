@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ppclip_func import init_clip_state
-from ppclip_func._agree import _HOST_WORDS, _host_fingerprint, state_entries, state_fingerprint
+from ppclip_func._agree import _HOST_WORDS, host_fingerprint, state_entries, state_fingerprint
 from ppclip_func._norms import norm_kind
 
 PRIME = 65521
@@ -55,18 +55,19 @@ def from_bytes(data: bytes, dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).clone()
 
 
-states = st.lists(
-    st.tuples(st.binary(min_size=0, max_size=64), st.sampled_from(DTYPES)).map(lambda p: from_bytes(*p)),
-    min_size=1,
-    max_size=4,
+tensors = st.tuples(st.binary(min_size=0, max_size=64), st.sampled_from(DTYPES)).map(lambda p: from_bytes(*p))
+# One element as a 0-dim tensor, as a ClipState holds them (the host reads those through .item()).
+scalars = st.tuples(st.binary(min_size=8, max_size=8), st.sampled_from(DTYPES)).map(
+    lambda p: from_bytes(*p)[:1].reshape(())
 )
+states = st.lists(st.one_of(tensors, scalars), min_size=1, max_size=4)
 
 
 @settings(max_examples=300, deadline=None)
 @given(states)
 def test_the_digits_are_the_reference_on_the_host_and_by_tensor_ops(state):
     want = reference(state)
-    assert _host_fingerprint(state) == want
+    assert host_fingerprint(state) == want
     assert state_fingerprint(state, CPU).tolist() == want
 
 
@@ -83,7 +84,7 @@ def test_one_flipped_bit_changes_both_digits(state, data):
     raw[bit // 8] ^= 1 << (bit % 8)
     changed = [*flat[:k], from_bytes(bytes(raw), t.dtype).reshape(t.shape), *flat[k + 1 :]]
     # A flip changes one word by a power of two, never a multiple of the prime: both digits move.
-    before, after = _host_fingerprint(flat), _host_fingerprint(changed)
+    before, after = host_fingerprint(flat), host_fingerprint(changed)
     assert before[0] != after[0] and before[1] != after[1]
 
 
@@ -104,7 +105,7 @@ def test_a_clip_state_and_its_entries():
     ],
 )
 def test_states_the_host_leaves_to_tensor_ops_give_the_same_digits(state):
-    assert _host_fingerprint(state) is None
+    assert host_fingerprint(state) is None
     want = reference(state)
     assert state_fingerprint(state, CPU).tolist() == want
     assert state_entries(state, norm_kind(2.0), CPU).tolist()[:2] == want
@@ -119,4 +120,11 @@ def test_a_traced_fingerprint_is_the_hosts():
 
 def test_a_contiguous_view_is_read_from_its_own_offset():
     whole = torch.arange(10.0, dtype=torch.float64)
-    assert _host_fingerprint([whole[3:7]]) == reference([whole[3:7]]) != reference([whole[:4]])
+    assert host_fingerprint([whole[3:7]]) == reference([whole[3:7]]) != reference([whole[:4]])
+
+
+@pytest.mark.parametrize("bits", [0x7FF0000000000001, 0xFFF8000000000123, 0x8000000000000000, 0x0000000000000001])
+def test_a_0_dim_float64_keeps_its_bits_nan_payloads_and_signed_zero_included(bits):
+    t = torch.tensor(bits - (1 << 64) if bits >> 63 else bits, dtype=torch.int64).view(torch.float64)
+    assert t.dim() == 0
+    assert host_fingerprint([t]) == reference([t]) == state_fingerprint([t], CPU).tolist()
