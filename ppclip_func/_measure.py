@@ -140,7 +140,7 @@ def measure(
     # AsyncCollectiveTensor would go through its Python __torch_dispatch__ (~0.1 ms each on a CPU).
     reduced = _plain(all_reduce_statistics(stats, kind, world))
     if with_state:
-        reduced, theirs = reduced.split([reduced.numel() - STATE_ENTRIES, STATE_ENTRIES])
+        reduced, theirs = reduced[:-STATE_ENTRIES], reduced[-STATE_ENTRIES:]  # (Tensor.split is Python)
     per_entry, total = kind.decode(reduced, per_group=bool(labels) or opts.params is not None, n_total=n)
     same_state = None
     if with_state:
