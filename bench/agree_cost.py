@@ -200,16 +200,18 @@ def _world(mesh):
 def state_check(mesh, n_stats: int):
     """One eager state check as the clip makes it, by itself: a ClipState's entries, their place at the
     end of a statistics vector of ``n_stats`` values and back out of it, and the comparison."""
-    from ppclip_func._agree import STATE_ENTRIES, state_entries, states_agree
+    from ppclip_func._agree import STATE_ENTRIES, host_fingerprint, state_entries, states_agree
 
     world, kind, device = _world(mesh), norm_kind(2.0), _device(mesh)
     state = init_clip_state(device)
     norm = torch.tensor(1.0, dtype=torch.float64, device=device)  # finite: a NaN norm is not checked
     stats = torch.zeros(n_stats, dtype=torch.float64, device=device)
-    summed = state_entries(state, kind, device) * float(world.mesh.size())  # what agreeing ranks' entries sum to
+    summed = state_entries(state, kind, device, host_fingerprint(state)) * float(
+        world.mesh.size()
+    )  # what agreeing ranks' entries sum to
 
     def check() -> None:
-        entries = state_entries(state, kind, device)
+        entries = state_entries(state, kind, device, host_fingerprint(state))
         reduced = torch.cat([stats, summed])  # as the clip's one cat of its statistics and the entries
         reduced, theirs = reduced.split([reduced.numel() - STATE_ENTRIES, STATE_ENTRIES])
         states_agree(theirs, entries, norm, kind, world, "a ClipState")

@@ -359,7 +359,7 @@ _MOVES_DATA: dict[str, bool] = per_group_cache({})
 
 
 def state_entries(
-    state: Sequence[torch.Tensor], kind: NormKind, device: torch.device, digits: list[int] | None = None
+    state: Sequence[torch.Tensor], kind: NormKind, device: torch.device, digits: list[int] | None
 ) -> torch.Tensor:
     """Returns the :data:`STATE_ENTRIES` values a rank adds to the reduced vector, on ``device``: the
     state's fingerprint ``f`` (:func:`state_fingerprint`) and ``f**2`` for a sum, ``f`` and ``-f`` for a
@@ -370,10 +370,10 @@ def state_entries(
     taken on the host from their bytes (a ``ClipState``'s in ~7 us, where
     the tensor ops take ~17 us, each op a few us of dispatch) and the values
     are made as one tensor; else by tensor ops on ``device``. Both give the
-    same integers (``tests/test_state_fingerprint.py``). ``digits``: the
-    host's fingerprint (:func:`host_fingerprint`) if the caller took it.
+    same integers (``tests/test_state_fingerprint.py``). ``digits`` is
+    :func:`host_fingerprint`'s answer for ``state``, taken by the caller
+    (``None``: the tensor ops).
     """
-    digits = digits if digits is not None else host_fingerprint(state)
     if digits is not None:
         # From a Python array, not a list: a third of torch.tensor's time (the clip copies it at once).
         own = array.array("d", [*digits, *(f * f if kind.op == "sum" else -f for f in digits)])

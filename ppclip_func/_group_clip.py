@@ -37,9 +37,10 @@ Threshold = float | torch.Tensor
 
 
 def check_group_args(
-    groups: Any, max_norm: Any, group_max_norm: Any, exclude: Any, eps: float, nonfinite: str
-) -> tuple[list[str], dict[str, Threshold], frozenset[str]]:
-    """Returns ``(labels, group_max_norm, exclude)`` checked; raises naming the offending label (static checks)."""
+    groups: Any, max_norm: Any, group_max_norm: Any, exclude: Any, eps: float, nonfinite: str, norm_type: Any
+) -> tuple[list[str], dict[str, Threshold], frozenset[str], NormKind]:
+    """Returns ``(labels, group_max_norm, exclude, norm kind)`` checked; raises naming the offending label
+    (static checks)."""
     if groups is None:
         raise TypeError("groups is required: {label: pattern} says which leaves each threshold applies to")
     labels = check_groups(groups)
@@ -60,7 +61,7 @@ def check_group_args(
             _check_clip_args(value, eps, nonfinite)
         except (TypeError, ValueError) as e:
             raise type(e)(f"group_max_norm[{label!r}]: {e}") from None
-    return labels, group_max_norm, excluded
+    return labels, group_max_norm, excluded, norm_kind(norm_type)
 
 
 def _scale_groups(
@@ -180,11 +181,8 @@ def clip_grad_norm_by_group_(
     parameters, read_grads = _grad_reader(parameters, "clip_grad_norm_by_group_")
     agree = agreed(group_max_norm=group_max_norm, exclude=label_set(exclude), eps=eps, nonfinite=nonfinite)
     opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, pp_mesh=pp_mesh, also_agree=agree)
-
-    def validate() -> tuple[list[str], dict, frozenset[str], NormKind]:
-        return (*check_group_args(groups, max_norm, group_max_norm, exclude, eps, nonfinite), norm_kind(norm_type))
-
-    labels, thresholds, excluded, kind = validated(validate, mesh, parameters, norm_type, opts)
+    checks = (groups, max_norm, group_max_norm, exclude, eps, nonfinite, norm_type)
+    labels, thresholds, excluded, kind = validated(lambda: check_group_args(*checks), mesh, parameters, norm_type, opts)
     measured = measure(read_grads, parameters, "parameter grad", mesh, kind, opts)
     total, _ = _scale_groups(
         measured, kind, groups, labels, max_norm, thresholds, excluded, eps, nonfinite, inplace=True
@@ -233,11 +231,8 @@ def clip_grad_norm_by_group(
     """
     agree = agreed(group_max_norm=group_max_norm, exclude=label_set(exclude), eps=eps, nonfinite=nonfinite)
     opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, pp_mesh=pp_mesh, also_agree=agree)
-
-    def validate() -> tuple[list[str], dict, frozenset[str], NormKind]:
-        return (*check_group_args(groups, max_norm, group_max_norm, exclude, eps, nonfinite), norm_kind(norm_type))
-
-    labels, thresholds, excluded, kind = validated(validate, mesh, grads, norm_type, opts)
+    checks = (groups, max_norm, group_max_norm, exclude, eps, nonfinite, norm_type)
+    labels, thresholds, excluded, kind = validated(lambda: check_group_args(*checks), mesh, grads, norm_type, opts)
     measured = measure(lambda: grads, grads, "gradient", mesh, kind, opts)
     total, scaled = _scale_groups(
         measured, kind, groups, labels, max_norm, thresholds, excluded, eps, nonfinite, inplace=False

@@ -90,10 +90,10 @@ def test_one_flipped_bit_changes_both_digits(state, data):
 
 def test_a_clip_state_and_its_entries():
     state = init_clip_state()._replace(count=torch.tensor(17), mean=torch.tensor(1.25, dtype=torch.float64))
-    f = reference(list(state))
-    assert state_entries(state, norm_kind(2.0), CPU).tolist() == [*f, *(x * x for x in f)]
-    assert state_entries(state, norm_kind(float("inf")), CPU).tolist() == [*f, *(-x for x in f)]
-    assert state_entries(state, norm_kind(2.0), CPU).dtype == torch.float64
+    f, digits = reference(list(state)), host_fingerprint(state)
+    assert state_entries(state, norm_kind(2.0), CPU, digits).tolist() == [*f, *(x * x for x in f)]
+    assert state_entries(state, norm_kind(float("inf")), CPU, digits).tolist() == [*f, *(-x for x in f)]
+    assert state_entries(state, norm_kind(2.0), CPU, digits).dtype == torch.float64
 
 
 @pytest.mark.parametrize(
@@ -108,13 +108,15 @@ def test_states_the_host_leaves_to_tensor_ops_give_the_same_digits(state):
     assert host_fingerprint(state) is None
     want = reference(state)
     assert state_fingerprint(state, CPU).tolist() == want
-    assert state_entries(state, norm_kind(2.0), CPU).tolist()[:2] == want
+    assert state_entries(state, norm_kind(2.0), CPU, None).tolist()[:2] == want
 
 
 def test_a_traced_fingerprint_is_the_hosts():
     state = init_clip_state()._replace(count=torch.tensor(5), var=torch.tensor(0.5, dtype=torch.float64))
-    entries = torch.compile(lambda s: state_entries(s, norm_kind(2.0), CPU), backend="aot_eager", fullgraph=True)
-    assert entries(state).tolist() == state_entries(state, norm_kind(2.0), CPU).tolist()
+    entries = torch.compile(
+        lambda s: state_entries(s, norm_kind(2.0), CPU, host_fingerprint(s)), backend="aot_eager", fullgraph=True
+    )
+    assert entries(state).tolist() == state_entries(state, norm_kind(2.0), CPU, host_fingerprint(state)).tolist()
     assert entries(state).tolist()[:2] == reference(list(state))
 
 
