@@ -206,10 +206,11 @@ def state_check(mesh, n_stats: int):
     )  # what agreeing ranks' entries sum to
 
     def check() -> None:
-        entries = state_entries(state, kind, device, host_fingerprint(state))
+        digits = host_fingerprint(state)
+        entries = state_entries(state, kind, device, digits)
         reduced = torch.cat([stats, summed])  # as the clip's one cat of its statistics and the entries
-        reduced, theirs = reduced.split([reduced.numel() - STATE_ENTRIES, STATE_ENTRIES])
-        states_agree(theirs, entries, norm, kind, world, "a ClipState")
+        reduced, theirs = reduced[:-STATE_ENTRIES], reduced[-STATE_ENTRIES:]
+        states_agree(theirs, entries, norm, kind, world, "a ClipState", digits)
 
     return check
 

@@ -49,7 +49,7 @@ import math
 import operator
 import struct
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -129,9 +129,9 @@ def _verify(
 ) -> None:
     own_caches()  # configurations agreed on under another default process group are forgotten
     seen = _VERIFIED.setdefault((group_name, names), [])
-    if seen and _as_last(values, seen[-1]):  # a loop repeats its last call
+    if seen and _as_last(values, *seen[-1]):  # a loop repeats its last call
         return
-    if any(_same(values, v) for v in reversed(seen)):  # then the others, the latest first
+    if any(_same(values, v) for v, _ in reversed(seen)):  # then the others, the latest first
         return
     _check(group_name, device_type, rank_stage, names, values)
     seen.append(_snapshot(values))
@@ -244,20 +244,23 @@ def _text(value: Any) -> str:
     return repr(value)
 
 
-def _snapshot(values: tuple) -> tuple:
-    """``values`` with its mappings and lists copied: a dict changed in place later is a new configuration."""
-    return tuple(dict(v) if isinstance(v, Mapping) else tuple(v) if isinstance(v, list) else v for v in values)
+def _snapshot(values: tuple) -> tuple[tuple, tuple[int, ...]]:
+    """``values`` with its mappings and lists copied (a dict changed in place later is a new
+    configuration), and where its mappings are."""
+    maps = tuple(i for i, v in enumerate(values) if isinstance(v, Mapping))
+    return tuple(dict(v) if i in maps else tuple(v) if isinstance(v, list) else v for i, v in enumerate(values)), maps
 
 
-def _as_last(values: tuple, seen: tuple) -> bool:
+def _as_last(values: tuple, seen: tuple, maps: tuple[int, ...]) -> bool:
     """:func:`_same`'s answer where it is quick to give (a few us less per clip): the tuples equal by
-    Python's own comparison, which takes each value by identity first, and every mapping in the same order
-    (a dict's equality ignores order); else ``False``, and :func:`_same` decides."""
+    Python's own comparison, which takes each value by identity first, and the mappings (at ``maps``, as
+    :func:`_snapshot` found them: an ABC's ``isinstance`` per option would cost more than the rest) in the
+    same order (a dict's equality ignores order); else ``False``, and :func:`_same` decides."""
     try:
         equal = values == seen
     except Exception:  # a value whose == cannot give a bool (a tensor of several elements)
         return False
-    return equal is True and all(list(a) == list(b) for a, b in zip(values, seen) if isinstance(a, Mapping))
+    return equal is True and all(list(values[i]) == list(seen[i]) for i in maps)
 
 
 def _same(values: tuple, seen: tuple) -> bool:
@@ -367,7 +370,7 @@ def state_entries(
     fewer: the concatenation with the float64 statistics converts them).
 
     Eagerly, where the state's tensors are on the CPU, the fingerprint is
-    taken on the host from their bytes (a ``ClipState``'s in ~7 us, where
+    taken on the host from their bytes (a ``ClipState``'s in ~4 us, where
     the tensor ops take ~17 us, each op a few us of dispatch) and the values
     are made as one tensor; else by tensor ops on ``device``. Both give the
     same integers (``tests/test_state_fingerprint.py``). ``digits`` is
@@ -376,11 +379,14 @@ def state_entries(
     """
     if digits is not None:
         # From a Python array, not a list: a third of torch.tensor's time (the clip copies it at once).
-        own = array.array("d", [*digits, *(f * f if kind.op == "sum" else -f for f in digits)])
-        values = torch.frombuffer(own, dtype=torch.float64)
+        values = torch.frombuffer(array.array("d", _entry_values(digits, kind)), dtype=torch.float64)
         return values if device.type == "cpu" else values.to(device)
     f = state_fingerprint(state, device)
     return torch.cat([f, f * f if kind.op == "sum" else -f])
+
+
+def _entry_values(digits: list[int], kind: NormKind) -> list[int]:
+    return [*digits, *(f * f if kind.op == "sum" else -f for f in digits)]
 
 
 def state_fingerprint(state: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -417,12 +423,14 @@ def states_agree(
     kind: NormKind,
     world: World,
     what: str,
+    digits: list[int] | None,
 ) -> torch.Tensor | None:
     """Stops the step unless every rank's state is this rank's; returns that as a 0-dim bool for the caller
     to guard its scaling with where the stop may come later (on CUDA, or compiled), else ``None``.
 
     ``theirs`` is the reduced vector's last :data:`STATE_ENTRIES` values,
-    ``entries`` this rank's own (:func:`state_entries`). A NaN ``total`` lets
+    ``entries`` this rank's own (:func:`state_entries`, made from ``digits``
+    where those were taken on the host). A NaN ``total`` lets
     the step pass: a peer failed before its statistics (``release_peers``;
     its own error says why; a max/min all-reduce may drop its NaN entries, the
     norm's levels keep it) or a gradient is NaN, and the step is not taken.
@@ -433,26 +441,26 @@ def states_agree(
     """
     assert world.mesh is not None
     # A sum adds every rank's own; an int, so that int64 entries stay int64 (exact: below 2**53).
-    ranks = world.mesh.size() if kind.op == "sum" else 1
-    if theirs.is_cpu and not torch.compiler.is_compiling():
-        # Eagerly on the CPU the collective has been waited for: the decision is read on the host, as
-        # exact integers below 2**53.
-        if theirs.tolist() == [ranks * e for e in entries.tolist()] or math.isnan(total):
+    if digits is not None and theirs.is_cpu:
+        # Eagerly on the CPU (the host took the fingerprint) the collective has been waited for: the
+        # decision is read on the host, as exact integers below 2**53. (The ranks counted from the
+        # world's table: DeviceMesh.size() costs a few us on a path this short.)
+        ranks = len(world.rank_stage) if kind.op == "sum" else 1
+        if theirs.tolist() == [ranks * e for e in _entry_values(digits, kind)] or math.isnan(total):
             return None
-        who = _state_ranks(world, entries[: len(_WEIGHTS)])
+        who = _state_ranks(world, digits)
         raise StateDisagreement(f"ranks hold different {what}: {STATE_FIX} ({who})")
     message = f"ranks hold different {what}: {STATE_FIX}"
-    agree = (theirs == entries * ranks).all() | total.isnan()
+    agree = (theirs == entries * (world.mesh.size() if kind.op == "sum" else 1)).all() | total.isnan()
     if agree.device.type in _ASSERTS:
         torch._assert_async(agree, message)
     return agree  # elsewhere the guard alone: the step is a no-op and skipped
 
 
-def _state_ranks(world: World, fingerprint: torch.Tensor) -> str:
+def _state_ranks(world: World, digits: list[int]) -> str:
     """Which ranks' state differs from the first rank's: one gather, made by every rank (all of them are here)."""
     assert world.group_name is not None and world.mesh is not None
-    rows = [int(x) for x in fingerprint.tolist()]
-    table = _all_gather_rows(world.group_name, rows, world.mesh.device_type)
+    table = _all_gather_rows(world.group_name, digits, world.mesh.device_type)
     ranks = dist.get_process_group_ranks(_group(world.group_name))
     odd = [r for r, row in zip(ranks, table) if row != table[0]]
     return f"{_some(odd)} from rank {ranks[0]}"
@@ -491,17 +499,17 @@ def host_fingerprint(state: Sequence[torch.Tensor]) -> list[int] | None:
     tensor (a subclass, a CUDA tensor), or for a state of more than :data:`_HOST_WORDS` words."""
     if torch.compiler.is_compiling():
         return None
-    fmt, values = "=", []
+    codes, values = [], []
     for t in state:
         code = _EXACT_SCALARS.get(t.dtype) if type(t) is torch.Tensor and t.is_cpu and t.dim() == 0 else None
         if code is None:
             break
-        fmt += code
+        codes.append(code)
         values.append(t.item())
     else:
         # Every tensor a 0-dim one whose Python value holds its bits exactly (a ClipState's three are
         # such): one pack of them all, a third of the time of reading each one's memory.
-        scalars = memoryview(struct.pack(fmt, *values)).cast("i")
+        scalars = _scalar_words(tuple(codes))(*values)
         return [sum(map(operator.mul, scalars, row)) % _PRIME for row in _host_weights(len(scalars))]
     words: list[int] = []
     for t in state:
@@ -522,6 +530,14 @@ _WORD_FORMATS = {4: "i", 2: "h", 1: "B"}  # by element size (larger elements: se
 # dtypes whose 0-dim tensors' .item() gives back the very bits, with struct's format for them (sizes of 4
 # and 8 bytes: packed together, they are whole 32-bit words).
 _EXACT_SCALARS = {torch.int64: "q", torch.float64: "d", torch.int32: "i"}
+
+
+@functools.cache
+def _scalar_words(codes: tuple[str, ...]) -> Callable[..., tuple[int, ...]]:
+    """A function from scalars of struct's ``codes`` to their bits as native-order signed 32-bit words."""
+    pack = struct.Struct("=" + "".join(codes))
+    words = struct.Struct(f"={pack.size // 4}i")
+    return lambda *values: words.unpack(pack.pack(*values))
 
 
 _HOST_WEIGHT_CACHE: dict[int, list[list[int]]] = {}

@@ -145,7 +145,7 @@ def measure(
     same_state = None
     if with_state:
         what = _STATE_NAMES.get(type(state).__name__, "adaptive states")
-        same_state = states_agree(theirs, entries, total, kind, world, what)
+        same_state = states_agree(theirs, entries, total, kind, world, what, digits)
     # Float64, as the reduced statistics: every rank holds these bits, whatever leaves it holds (a
     # stage's own dtypes would differ between stages), and a float64 model keeps a float64 norm.
     groups = {label: per_entry[i] for i, label in enumerate(labels)} if labels else {}
