@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
+import os
 import pathlib
 import time
 from collections.abc import Callable
@@ -56,18 +58,28 @@ from ppclip_func._norms import norm_kind
 RESULTS = pathlib.Path(__file__).parent / "results" / "agree_cost.json"
 
 
+# The modules whose public functions build their callers' options for the check (``_agree.agreed``).
+_CALLERS = tuple(importlib.import_module(f"ppclip_func.{name}") for name in ("_api", "_adagc", "_group_clip", "_optim"))
+
+
 @contextlib.contextmanager
 def checks_off():
-    """The library with neither check: no options comparison, no state fingerprint, no state entries in the
-    all-reduce."""
-    saved = measure_module.check_options, measure_module.carries_state, measure_module.host_fingerprint
-    measure_module.check_options = lambda *args, **kwargs: None
-    measure_module.carries_state = lambda world: False
-    measure_module.host_fingerprint = lambda state: None
+    """The library with neither check: no options comparison (nor the options made for it), no state
+    fingerprint, no state entries in the all-reduce."""
+    patched = [
+        (measure_module, "check_call", lambda *args, **kwargs: None),
+        (measure_module, "carries_state", lambda world: False),
+        (measure_module, "host_fingerprint", lambda state: None),
+        *((module, "agreed", lambda **options: ()) for module in _CALLERS),
+    ]
+    saved = [(module, name, getattr(module, name)) for module, name, _ in patched]
+    for module, name, stub in patched:
+        setattr(module, name, stub)
     try:
         yield
     finally:
-        measure_module.check_options, measure_module.carries_state, measure_module.host_fingerprint = saved
+        for module, name, original in saved:
+            setattr(module, name, original)
 
 
 def _params(n: int, size: int, device: torch.device) -> dict[str, torch.nn.Parameter]:
@@ -168,20 +180,25 @@ def compiled_case(mesh, quick: bool) -> tuple[str, dict]:
 
 
 def alone(mesh, quick: bool) -> dict[str, float]:
-    """Microseconds per call of the options check by itself, on its steady-state path (already seen)."""
-    from ppclip_func._agree import check_options
-    from ppclip_func._measure import NormOptions, _static_options
+    """Microseconds per call of the options check by itself, on its steady-state path (the call repeated)."""
+    from ppclip_func._agree import check_call
+    from ppclip_func._measure import _OPTION_FIELDS, NormOptions, _static_options
 
     world, kind = _world(mesh), norm_kind(2.0)
     n = 100 if not quick else 50
     groups = {f"layers.{i}.w": f"layers.{i}.w" for i in range(n)}
     out = {}
     for name, opts in (("options, no groups", NormOptions()), (f"options, {n} groups", NormOptions(groups=groups))):
-        check_options(world, _static_options(kind, opts, None), None)  # first sight: the gather
+
+        def check(opts=opts) -> None:  # as the clip makes it
+            key = (kind.p, type(None), *_OPTION_FIELDS(opts))
+            check_call(world, key, lambda: _static_options(kind.p, opts, None), opts.tied)
+
+        check()  # first sight: the gather
         reps = 2000
         t0 = time.perf_counter()
         for _ in range(reps):
-            check_options(world, _static_options(kind, opts, None), None)
+            check()
         out[name] = 1e6 * (time.perf_counter() - t0) / reps
     return out
 
@@ -201,16 +218,16 @@ def state_check(mesh, n_stats: int):
     state = init_clip_state(device)
     norm = torch.tensor(1.0, dtype=torch.float64, device=device)  # finite: a NaN norm is not checked
     stats = torch.zeros(n_stats, dtype=torch.float64, device=device)
-    summed = state_entries(state, kind, device, host_fingerprint(state)) * float(
+    summed = state_entries(state, kind, stats, host_fingerprint(state)) * float(
         world.mesh.size()
     )  # what agreeing ranks' entries sum to
 
     def check() -> None:
         digits = host_fingerprint(state)
-        entries = state_entries(state, kind, device, digits)
+        entries = state_entries(state, kind, stats, digits)
         reduced = torch.cat([stats, summed])  # as the clip's one cat of its statistics and the entries
         reduced, theirs = reduced[:-STATE_ENTRIES], reduced[-STATE_ENTRIES:]
-        states_agree(theirs, entries, norm, kind, world, "a ClipState", digits)
+        states_agree(theirs, entries, norm, kind, world, type(state), digits)
 
     return check
 
@@ -238,8 +255,28 @@ def state_check_share(mesh, quick: bool, clip, runs: int) -> dict[str, float]:
     return {"check_us": us, "clip_without_checks_ms": t.ms("clip"), "share": us / (1e3 * t.ms("clip"))}
 
 
+KNOWN_US = 40.0  # the calibration: this much busy work added to a call, to see what the timing reads for it
+
+
+def _busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _pin(rank: int, world: int) -> bool:
+    """Pins this rank to a core of its own, where there are enough (unpinned, on a 2-core machine the two
+    ranks and their gloo threads share both cores, and a known amount of work read as 1.5-2.8x itself)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < world:
+        return False
+    os.sched_setaffinity(0, {cores[rank]})
+    return True
+
+
 def _rank(rank: int, world: int, quick: bool, device_type: str) -> dict | None:
     torch.set_num_threads(1)
+    pinned = _pin(rank, world)
     runs = 7 if quick else 41
     if device_type == "cuda":
         torch.cuda.set_device(0)  # the ranks share the one GPU (gloo moves CUDA tensors; NCCL needs one each)
@@ -249,19 +286,28 @@ def _rank(rank: int, world: int, quick: bool, device_type: str) -> dict | None:
     cases = [*eager.items(), compiled_case(mesh, quick)]
     for name, variants in cases:
         # "without" twice: the spread of an A/A ratio is what a with/without ratio can resolve. The small
-        # clips (a few ms) get many more rounds: their ratios are the ones near the goal.
-        rounds = runs if "GPT-2" in name or quick else 301
-        t = interleaved({**variants, "without again": variants["without"]}, runs=rounds, warmup=3, barrier=dist.barrier)
-        rows.append(
-            {
-                "case": name,
-                "with_ms": t.ms("with"),
-                "without_ms": t.ms("without"),
-                "ratio": t.ratio("with", "without"),
-                "a_a_ratio": t.ratio("without again", "without"),
-                "rounds": rounds,
-            }
-        )
+        # clips (a few ms) get many more rounds: their ratios are the ones near the goal. The smallest
+        # adaptive clip also runs "without" plus a known amount of busy work: what the timing reads for it.
+        rounds = runs if "GPT-2" in name or quick else 1001
+        known = name.startswith("adaptive_clip_grad_norm_ with")
+        timed = {**variants, "without again": variants["without"]}
+        if known:
+            timed["without, plus known work"] = lambda without=variants["without"]: (without(), _busy(KNOWN_US / 1e6))
+        t = interleaved(timed, runs=rounds, warmup=3, barrier=dist.barrier)
+        row = {
+            "case": name,
+            "with_ms": t.ms("with"),
+            "without_ms": t.ms("without"),
+            "ratio": t.ratio("with", "without"),
+            "a_a_ratio": t.ratio("without again", "without"),
+            "rounds": rounds,
+        }
+        if known:
+            # (ratio - 1) x the call's time: the extra microseconds the timing reads for KNOWN_US of work.
+            row["known_us"] = KNOWN_US
+            row["known_read_us"] = (t.ratio("without, plus known work", "without") - 1) * 1e3 * t.ms("without")
+            row["checks_read_us"] = (row["ratio"] - 1) * 1e3 * t.ms("without")
+        rows.append(row)
     solo = alone(mesh, quick)
     smallest = next(variants for name, variants in eager.items() if name.startswith("adaptive_clip_grad_norm_ with"))
     share = state_check_share(mesh, quick, smallest["without"], runs)
@@ -270,6 +316,7 @@ def _rank(rank: int, world: int, quick: bool, device_type: str) -> dict | None:
         "device": torch.cuda.get_device_name() if device_type == "cuda" else "cpu",
         "torch": torch.__version__,
         "ranks": world,
+        "pinned": pinned,
         "runs": runs,
         "rows": rows,
         "alone_us": solo,
@@ -345,6 +392,11 @@ def main() -> None:
             f"{r['case']}: with {r['with_ms']:.3f} ms, without {r['without_ms']:.3f} ms, ratio {r['ratio']:.3f} "
             f"(without / without: {r['a_a_ratio']:.3f})"
         )
+        if "known_us" in r:
+            print(
+                f"  read as extra time: the checks {r['checks_read_us']:.0f} us; {r['known_us']:.0f} us of known "
+                f"busy work {r['known_read_us']:.0f} us"
+            )
     if args.out is not None or not args.quick:
         out = (args.out or RESULTS.parent) / (RESULTS.name if args.device == "cpu" else "agree_cost_cuda.json")
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -121,6 +121,42 @@ def check_options(world: World, options: Mapping[str, Any], tied: Mapping[str, i
         _verify(world.group_name, _device_type(world), world.rank_stage, names, values)
 
 
+def check_call(
+    world: World, key: tuple | None, options: Callable[[], Mapping[str, Any]], tied: Mapping[str, int] | None
+) -> None:
+    """:func:`check_options` for one call of a clip, with a fast path for a training loop repeating its call.
+
+    ``key`` is the call's configuration as given, a flat tuple (its norm,
+    its state's type, its options' fields): when it equals the last one
+    verified on the world's group (and its mappings are in the same order),
+    that comparison is all the check costs, and ``options()``, the options
+    as :func:`check_options` compares them, is not even built. ``None``
+    while tracing: the check then runs at trace time, and the graph holds none.
+    """
+    if world.group_name is None:
+        return
+    if key is None:
+        check_options(world, options(), tied)
+        return
+    own_caches()  # a key verified under another default process group is forgotten
+    last = _LAST_CALL.get(world.group_name)
+    if last is not None and _as_last(key, *last):
+        return
+    check_options(world, options(), tied)
+    _LAST_CALL[world.group_name] = _snapshot(key)
+
+
+# Group name -> the last call's key verified there (check_call), as _snapshot keeps it.
+_LAST_CALL: dict[str, tuple[tuple, tuple[int, ...]]] = per_group_cache({})
+
+
+def forget_configurations() -> None:
+    """Forgets every configuration verified: the next call of each is checked with a gather again (tests
+    use it to start the ranks from the same, empty memory)."""
+    _VERIFIED.clear()
+    _LAST_CALL.clear()
+
+
 def _device_type(world: World) -> str:
     return world.mesh.device_type if world.mesh is not None else "cpu"
 
@@ -363,25 +399,27 @@ _MOVES_DATA: dict[str, bool] = per_group_cache({})
 
 
 def state_entries(
-    state: Sequence[torch.Tensor], kind: NormKind, device: torch.device, digits: list[int] | None
+    state: Sequence[torch.Tensor], kind: NormKind, stats: torch.Tensor, digits: list[int] | None
 ) -> torch.Tensor:
-    """Returns the :data:`STATE_ENTRIES` values a rank adds to the reduced vector, on ``device``: the
-    state's fingerprint ``f`` (:func:`state_fingerprint`) and ``f**2`` for a sum, ``f`` and ``-f`` for a
-    max or min; integers below 2**32, as float64 on the host path and as int64 by tensor ops (one kernel
+    """Returns the :data:`STATE_ENTRIES` values a rank adds to its statistics ``stats``, on their device:
+    the state's fingerprint ``f`` (:func:`state_fingerprint`) and ``f**2`` for a sum, ``f`` and ``-f`` for
+    a max or min; integers below 2**32, as float64 on the host path and as int64 by tensor ops (one kernel
     fewer: the concatenation with the float64 statistics converts them).
 
     Eagerly, where the state's tensors are on the CPU, the fingerprint is
-    taken on the host from their bytes (a ``ClipState``'s in ~4 us, where
-    the tensor ops take ~17 us, each op a few us of dispatch) and the values
-    are made as one tensor; else by tensor ops on ``device``. Both give the
-    same integers (``tests/test_state_fingerprint.py``). ``digits`` is
+    taken on the host from their bytes (:func:`host_fingerprint`; a
+    ``ClipState``'s in ~4 us, where the tensor ops take ~17 us, each op a
+    few us of dispatch) and the values are written into a buffer of this
+    thread's (:func:`_host_entries`: valid until its next call, so the
+    caller copies them at once); else by tensor ops. Both give the same
+    integers (``tests/test_state_fingerprint.py``). ``digits`` is
     :func:`host_fingerprint`'s answer for ``state``, taken by the caller
     (``None``: the tensor ops).
     """
     if digits is not None:
         values = _host_entries(_entry_values(digits, kind))
-        return values if device.type == "cpu" else values.to(device)
-    f = state_fingerprint(state, device)
+        return values if stats.is_cpu else values.to(stats.device)
+    f = state_fingerprint(state, stats.device)
     return torch.cat([f, f * f if kind.op == "sum" else -f])
 
 
@@ -394,15 +432,15 @@ _ENTRY_BUFFERS = threading.local()
 
 
 def _host_entries(values: list[int]) -> torch.Tensor:
-    """``values`` as a float64 CPU tensor over a buffer of this thread's, written in place: no torch op (a
-    new tensor a step costs ~10 us inside the clip). It holds them until this thread's next call; the
-    clip copies them into its statistics at once."""
+    """The :data:`STATE_ENTRIES` ``values`` as a float64 CPU tensor over a buffer of this thread's, written
+    in place: no torch op (a new tensor a step costs ~10 us inside the clip). It holds them until this
+    thread's next call; the clip copies them into its statistics at once."""
     slot = getattr(_ENTRY_BUFFERS, "slot", None)
     if slot is None:
         buffer = array.array("d", bytes(8 * STATE_ENTRIES))
         slot = _ENTRY_BUFFERS.slot = (buffer, torch.frombuffer(buffer, dtype=torch.float64))
     buffer, tensor = slot
-    buffer[:] = array.array("d", values)
+    buffer[0], buffer[1], buffer[2], buffer[3] = values
     return tensor
 
 
@@ -439,7 +477,7 @@ def states_agree(
     total: torch.Tensor,
     kind: NormKind,
     world: World,
-    what: str,
+    state_type: type,
     digits: list[int] | None,
 ) -> torch.Tensor | None:
     """Stops the step unless every rank's state is this rank's; returns that as a 0-dim bool for the caller
@@ -465,13 +503,23 @@ def states_agree(
         ranks = len(world.rank_stage) if kind.op == "sum" else 1
         if theirs.tolist() == [ranks * e for e in _entry_values(digits, kind)] or math.isnan(total):
             return None
-        who = _state_ranks(world, digits)
-        raise StateDisagreement(f"ranks hold different {what}: {STATE_FIX} ({who})")
-    message = f"ranks hold different {what}: {STATE_FIX}"
+        raise StateDisagreement(f"{_state_message(state_type)} ({_state_ranks(world, digits)})")
+    message = _state_message(state_type)
     agree = (theirs == entries * (world.mesh.size() if kind.op == "sum" else 1)).all() | total.isnan()
     if agree.device.type in _ASSERTS:
         torch._assert_async(agree, message)
     return agree  # elsewhere the guard alone: the step is a no-op and skipped
+
+
+def _state_message(state_type: type) -> str:
+    what = _STATE_NAMES.get(state_type.__name__, "adaptive states")
+    return f"ranks hold different {what}: {STATE_FIX}"
+
+
+_STATE_NAMES = {
+    "ClipState": "adaptive clip states (ClipState: count, mean, var)",
+    "AdaGCState": "AdaGC states (AdaGCState: count, gamma)",
+}
 
 
 def _state_ranks(world: World, digits: list[int]) -> str:
@@ -526,8 +574,10 @@ def host_fingerprint(state: Sequence[torch.Tensor]) -> list[int] | None:
         # Every tensor a 0-dim one whose Python value holds its bits exactly (a ClipState's three are
         # such): one pack of them all, a third of the time of reading each one's memory. (tolist, not
         # item: inside the clip, where this code runs cold once a step, ~40 % less.)
-        scalars = _scalar_words(tuple(codes))(*[t.tolist() for t in state])
-        return [sum(map(operator.mul, scalars, row)) % _PRIME for row in _host_weights(len(scalars))]
+        pack, unpack = _scalar_structs(tuple(codes))
+        scalars = unpack(pack(*[t.tolist() for t in state]))
+        first, second = _host_weights(len(scalars))
+        return [sum(map(operator.mul, scalars, first)) % _PRIME, sum(map(operator.mul, scalars, second)) % _PRIME]
     words: list[int] = []
     for t in state:
         if type(t) is not torch.Tensor or not t.is_cpu or not t.is_contiguous():
@@ -550,11 +600,10 @@ _EXACT_SCALARS = {torch.int64: "q", torch.float64: "d", torch.int32: "i"}
 
 
 @functools.cache
-def _scalar_words(codes: tuple[str, ...]) -> Callable[..., tuple[int, ...]]:
-    """A function from scalars of struct's ``codes`` to their bits as native-order signed 32-bit words."""
+def _scalar_structs(codes: tuple[str, ...]) -> tuple[Callable[..., bytes], Callable[[bytes], tuple[int, ...]]]:
+    """``pack`` of scalars of struct's ``codes``, ``unpack`` of those bytes as native-order signed 32-bit words."""
     pack = struct.Struct("=" + "".join(codes))
-    words = struct.Struct(f"={pack.size // 4}i")
-    return lambda *values: words.unpack(pack.pack(*values))
+    return pack.pack, struct.Struct(f"={pack.size // 4}i").unpack
 
 
 _HOST_WEIGHT_CACHE: dict[int, list[list[int]]] = {}

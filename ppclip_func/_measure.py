@@ -10,6 +10,7 @@ waits for a rank that raised.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -22,7 +23,7 @@ from ._agree import (
     STATE_ENTRIES,
     Disagreement,
     carries_state,
-    check_options,
+    check_call,
     host_fingerprint,
     state_entries,
     states_agree,
@@ -56,6 +57,10 @@ class NormOptions:
     # The caller's other static options, ``(name, value)``, that every rank must pass alike
     # (thresholds, ``exclude``, the adaptive rule): checked with these (``_agree``).
     also_agree: tuple[tuple[str, Any], ...] = ()
+
+
+# A NormOptions' fields as a tuple (operator.attrgetter: one C call, where dataclasses.astuple deep-copies).
+_OPTION_FIELDS = operator.attrgetter(*(field.name for field in dataclasses.fields(NormOptions)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,11 +113,12 @@ def measure(
     ``ClipState`` or ``AdaGCState``) rides in the one collective as a
     fingerprint; :attr:`Measured.agree` says whether every rank held the same.
     """
-    options = _static_options(kind.p, opts, state)
     checked: list[bool] = [False]
 
     def agree(world: World) -> None:
-        check_options(world, options, opts.tied)
+        # Traced, no key: the check runs at trace time (dynamo cannot trace an attrgetter on a dataclass).
+        key = None if torch.compiler.is_compiling() else (kind.p, type(state), *_OPTION_FIELDS(opts))
+        check_call(world, key, lambda: _static_options(kind.p, opts, state), opts.tied)
         checked[0] = True
 
     if mesh is not None and (world := world_of(mesh, [], opts.pp_dim, opts.pp_mesh)) is not None:
@@ -129,12 +135,12 @@ def measure(
     except Exception:
         # A rank that fails before its options check still takes part in it (its peers may be in the
         # gather), then in the statistics all-reduce.
-        _release(mesh, given, kind, opts, state, None if checked[0] else options)
+        _release(mesh, given, kind, opts, state, None if checked[0] else _static_options(kind.p, opts, state))
         raise
     n = len(labels) + 1
     with_state = state is not None and carries_state(world)
     if with_state:
-        entries = state_entries(state, kind, stats.device, digits)
+        entries = state_entries(state, kind, stats, digits)
         stats = torch.cat([stats, entries])
     # Waited for at once, in eager mode: everything after reads it, and every op on the collective's
     # AsyncCollectiveTensor would go through its Python __torch_dispatch__ (~0.1 ms each on a CPU).
@@ -144,19 +150,12 @@ def measure(
     per_entry, total = kind.decode(reduced, per_group=bool(labels) or opts.params is not None, n_total=n)
     same_state = None
     if with_state:
-        what = _STATE_NAMES.get(type(state).__name__, "adaptive states")
-        same_state = states_agree(theirs, entries, total, kind, world, what, digits)
+        same_state = states_agree(theirs, entries, total, kind, world, type(state), digits)
     # Float64, as the reduced statistics: every rank holds these bits, whatever leaves it holds (a
     # stage's own dtypes would differ between stages), and a float64 model keeps a float64 norm.
     groups = {label: per_entry[i] for i, label in enumerate(labels)} if labels else {}
     per_param = per_entry[n:] if opts.params is not None else None
     return Measured(leaves, total, groups, per_param, reduced, same_state)
-
-
-_STATE_NAMES = {
-    "ClipState": "adaptive clip states (ClipState: count, mean, var)",
-    "AdaGCState": "AdaGC states (AdaGCState: count, gamma)",
-}
 
 
 T = TypeVar("T")

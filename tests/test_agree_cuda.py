@@ -32,7 +32,7 @@ WORLD = 2
 
 
 def _fresh():
-    _agree._VERIFIED.clear()
+    _agree.forget_configurations()
     torch._dynamo.reset()
     torch.cuda.set_device(0)
     mesh = init_device_mesh("cuda", (WORLD,), mesh_dim_names=("dp",))

@@ -46,7 +46,7 @@ WORLD = 4
 
 def _fresh():
     """The mesh, this rank's stage and its named parameters with grads; no configuration seen yet."""
-    _agree._VERIFIED.clear()
+    _agree.forget_configurations()
     torch._dynamo.reset()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     stage = mesh.get_coordinate()[0]
@@ -290,7 +290,7 @@ def with_mesh_none_a_rank_that_fails_first_still_takes_part_in_the_check(rank: i
         _, total = clip_grad_norm(grads, None, 0.1)
         assert math.isnan(float(total)) if stage == 0 else float(total) == pytest.approx(2.0)
     # The same, with rank 1's options differing too: both ranks of its world raise the disagreement.
-    _agree._VERIFIED.clear()
+    _agree.forget_configurations()
     p = 1.0 if rank == 1 else 2.0
     if stage == 0:
         with pytest.raises(ValueError, match=r"norm_type \(rank 1 differs from rank 0\)"):

@@ -113,7 +113,7 @@ def a_tied_name_matching_nothing_raises_and_releases_the_other_stage(rank: int, 
 def a_tied_name_declared_on_one_stage_only_raises_on_every_rank(rank: int, world_size: int) -> None:
     # The options check runs when a rank first sees a configuration; forget the earlier cases', as at the
     # start of a run (a stage returning to a configuration it used before is the check's documented limit).
-    _agree._VERIFIED.clear()
+    _agree.forget_configurations()
     mesh, stage = _pp_dp()
     named = {"w": torch.nn.Parameter(torch.ones(4))}
     named["w"].grad = torch.ones(4)
