@@ -69,7 +69,7 @@ def checks_off():
     patched = [
         (measure_module, "check_call", lambda *args, **kwargs: None),
         (measure_module, "carries_state", lambda world: False),
-        (measure_module, "host_fingerprint", lambda state: None),
+        (measure_module, "host_entries", lambda state, kind: None),
         *((module, "agreed", lambda **options: ()) for module in _CALLERS),
     ]
     saved = [(module, name, getattr(module, name)) for module, name, _ in patched]
@@ -212,22 +212,22 @@ def _world(mesh):
 def state_check(mesh, n_stats: int):
     """One eager state check as the clip makes it, by itself: a ClipState's entries, their place at the
     end of a statistics vector of ``n_stats`` values and back out of it, and the comparison."""
-    from ppclip_func._agree import STATE_ENTRIES, host_fingerprint, state_entries, states_agree
+    from ppclip_func._agree import STATE_ENTRIES, host_entries, state_entries, states_agree
 
     world, kind, device = _world(mesh), norm_kind(2.0), _device(mesh)
     state = init_clip_state(device)
     norm = torch.tensor(1.0, dtype=torch.float64, device=device)  # finite: a NaN norm is not checked
     stats = torch.zeros(n_stats, dtype=torch.float64, device=device)
-    summed = state_entries(state, kind, stats, host_fingerprint(state)) * float(
+    summed = state_entries(state, kind, stats, host_entries(state, kind)) * float(
         world.mesh.size()
     )  # what agreeing ranks' entries sum to
 
     def check() -> None:
-        digits = host_fingerprint(state)
-        entries = state_entries(state, kind, stats, digits)
+        own = host_entries(state, kind)
+        entries = state_entries(state, kind, stats, own)
         reduced = torch.cat([stats, summed])  # as the clip's one cat of its statistics and the entries
         reduced, theirs = reduced[:-STATE_ENTRIES], reduced[-STATE_ENTRIES:]
-        states_agree(theirs, entries, norm, kind, world, type(state), digits)
+        states_agree(theirs, entries, norm, kind, world, type(state), own)
 
     return check
 

@@ -411,31 +411,34 @@ _MOVES_DATA: dict[str, bool] = per_group_cache({})
 
 
 def state_entries(
-    state: Sequence[torch.Tensor], kind: NormKind, stats: torch.Tensor, digits: list[int] | None
+    state: Sequence[torch.Tensor], kind: NormKind, stats: torch.Tensor, own: list[int] | None
 ) -> torch.Tensor:
     """Returns the :data:`STATE_ENTRIES` values a rank adds to its statistics ``stats``, on their device:
     the state's fingerprint ``f`` (:func:`state_fingerprint`) and ``f**2`` for a sum, ``f`` and ``-f`` for
     a max or min; integers below 2**32, as float64 on the host path and as int64 by tensor ops (one kernel
     fewer: the concatenation with the float64 statistics converts them).
 
-    Eagerly, where the state's tensors are on the CPU, the fingerprint is
-    taken on the host from their bytes (:func:`host_fingerprint`; a
-    ``ClipState``'s in ~4 us, where the tensor ops take ~17 us, each op a
-    few us of dispatch) and the values are written into a buffer of this
-    thread's (:func:`_host_entries`: valid until its next call, so the
-    caller copies them at once); else by tensor ops. Both give the same
-    integers (``tests/test_state_fingerprint.py``). ``digits`` is
-    :func:`host_fingerprint`'s answer for ``state``, taken by the caller
-    (``None``: the tensor ops).
+    ``own`` is :func:`host_entries`' answer for ``state``, taken by the
+    caller: the values computed on the host from the state's bytes
+    (eagerly, for a state on the CPU), which are written into a buffer of
+    this thread's (:func:`_host_entries`: valid until its next call, so the
+    caller copies them at once). ``None``: by tensor ops. Both give the same
+    integers (``tests/test_state_fingerprint.py``).
     """
-    if digits is not None:
-        values = _host_entries(_entry_values(digits, kind))
+    if own is not None:
+        values = _host_entries(own)
         return values if stats.is_cpu else values.to(stats.device)
     f = state_fingerprint(state, stats.device)
     return torch.cat([f, f * f if kind.op == "sum" else -f])
 
 
-def _entry_values(digits: list[int], kind: NormKind) -> list[int]:
+def host_entries(state: Sequence[torch.Tensor], kind: NormKind) -> list[int] | None:
+    """:func:`state_entries`' values computed on the host, as Python ints, from :func:`host_fingerprint`
+    (a ``ClipState``'s in ~4 us, where the tensor ops take ~17 us, each op a few us of dispatch); ``None``
+    where that cannot be done (then the tensor ops take it)."""
+    digits = host_fingerprint(state)
+    if digits is None:
+        return None
     a, b = digits
     return [a, b, a * a, b * b] if kind.op == "sum" else [a, b, -a, -b]
 
@@ -490,14 +493,14 @@ def states_agree(
     kind: NormKind,
     world: World,
     state_type: type,
-    digits: list[int] | None,
+    own: list[int] | None,
 ) -> torch.Tensor | None:
     """Stops the step unless every rank's state is this rank's; returns that as a 0-dim bool for the caller
     to guard its scaling with where the stop may come later (on CUDA, or compiled), else ``None``.
 
     ``theirs`` is the reduced vector's last :data:`STATE_ENTRIES` values,
-    ``entries`` this rank's own (:func:`state_entries`, made from ``digits``
-    where those were taken on the host). A NaN ``total`` lets
+    ``entries`` this rank's own (:func:`state_entries`, made from ``own``
+    where those were computed on the host, :func:`host_entries`). A NaN ``total`` lets
     the step pass: a peer failed before its statistics (``release_peers``;
     its own error says why; a max/min all-reduce may drop its NaN entries, the
     norm's levels keep it) or a gradient is NaN, and the step is not taken.
@@ -508,14 +511,14 @@ def states_agree(
     """
     assert world.mesh is not None
     # A sum adds every rank's own; an int, so that int64 entries stay int64 (exact: below 2**53).
-    if digits is not None and theirs.is_cpu:
+    if own is not None and theirs.is_cpu:
         # Eagerly on the CPU (the host took the fingerprint) the collective has been waited for: the
         # decision is read on the host, as exact integers below 2**53. (The ranks counted from the
         # world's table: DeviceMesh.size() costs a few us on a path this short.)
         ranks = len(world.rank_stage) if kind.op == "sum" else 1
-        if theirs.tolist() == [ranks * e for e in _entry_values(digits, kind)] or math.isnan(total):
+        if theirs.tolist() == [ranks * e for e in own] or math.isnan(total):
             return None
-        raise StateDisagreement(f"{_state_message(state_type)} ({_state_ranks(world, digits)})")
+        raise StateDisagreement(f"{_state_message(state_type)} ({_state_ranks(world, own[: len(_WEIGHTS)])})")
     message = _state_message(state_type)
     agree = (theirs == entries * (world.mesh.size() if kind.op == "sum" else 1)).all() | total.isnan()
     if agree.device.type in _ASSERTS:
@@ -588,7 +591,7 @@ def host_fingerprint(state: Sequence[torch.Tensor]) -> list[int] | None:
         # item: inside the clip, where this code runs cold once a step, ~40 % less.)
         pack, unpack = _scalar_structs(tuple(codes))
         scalars = unpack(pack(*[t.tolist() for t in state]))
-        first, second = _host_weights(len(scalars))
+        first, second = _HOST_WEIGHT_CACHE.get(len(scalars)) or _host_weights(len(scalars))
         return [sum(map(operator.mul, scalars, first)) % _PRIME, sum(map(operator.mul, scalars, second)) % _PRIME]
     words: list[int] = []
     for t in state:

@@ -24,7 +24,7 @@ from ._agree import (
     Disagreement,
     carries_state,
     check_call,
-    host_fingerprint,
+    host_entries,
     state_entries,
     states_agree,
 )
@@ -123,9 +123,8 @@ def measure(
 
     if mesh is not None and (world := world_of(mesh, [], opts.pp_dim, opts.pp_mesh)) is not None:
         agree(world)  # else the clip raises why, on every rank of that mesh alike
-    # The state's fingerprint on the host, where it can be, before the sweep over the gradients (which
-    # evicts the interpreter's caches: in place, the checks cost 2-3x their time alone).
-    digits = host_fingerprint(state) if state is not None else None
+    # The state's entries computed on the host, where they can be (eagerly, from a CPU state).
+    own = host_entries(state, kind) if state is not None else None
     try:
         leaves = flatten_grads(read_grads(), what)
         # With mesh=None the leaves name the world: checked there, before partial="reduce"'s collectives.
@@ -140,7 +139,7 @@ def measure(
     n = len(labels) + 1
     with_state = state is not None and carries_state(world)
     if with_state:
-        entries = state_entries(state, kind, stats, digits)
+        entries = state_entries(state, kind, stats, own)
         stats = torch.cat([stats, entries])
     # Waited for at once, in eager mode: everything after reads it, and every op on the collective's
     # AsyncCollectiveTensor would go through its Python __torch_dispatch__ (~0.1 ms each on a CPU).
@@ -150,7 +149,7 @@ def measure(
     per_entry, total = kind.decode(reduced, per_group=bool(labels) or opts.params is not None, n_total=n)
     same_state = None
     if with_state:
-        same_state = states_agree(theirs, entries, total, kind, world, type(state), digits)
+        same_state = states_agree(theirs, entries, total, kind, world, type(state), own)
     # Float64, as the reduced statistics: every rank holds these bits, whatever leaves it holds (a
     # stage's own dtypes would differ between stages), and a float64 model keeps a float64 norm.
     groups = {label: per_entry[i] for i, label in enumerate(labels)} if labels else {}

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ppclip_func import init_clip_state
-from ppclip_func._agree import _HOST_WORDS, host_fingerprint, state_entries, state_fingerprint
+from ppclip_func._agree import _HOST_WORDS, host_entries, host_fingerprint, state_entries, state_fingerprint
 from ppclip_func._norms import norm_kind
 
 PRIME = 65521
@@ -91,10 +91,13 @@ def test_one_flipped_bit_changes_both_digits(state, data):
 
 def test_a_clip_state_and_its_entries():
     state = init_clip_state()._replace(count=torch.tensor(17), mean=torch.tensor(1.25, dtype=torch.float64))
-    f, digits = reference(list(state)), host_fingerprint(state)
-    assert state_entries(state, norm_kind(2.0), STATS, digits).tolist() == [*f, *(x * x for x in f)]
-    assert state_entries(state, norm_kind(float("inf")), STATS, digits).tolist() == [*f, *(-x for x in f)]
-    assert state_entries(state, norm_kind(2.0), STATS, digits).dtype == torch.float64
+    f, l2, inf = reference(list(state)), norm_kind(2.0), norm_kind(float("inf"))
+    assert host_fingerprint(state) == f
+    assert host_entries(state, l2) == [*f, *(x * x for x in f)]
+    assert host_entries(state, inf) == [*f, *(-x for x in f)]
+    assert state_entries(state, l2, STATS, host_entries(state, l2)).tolist() == [*f, *(x * x for x in f)]
+    assert state_entries(state, inf, STATS, host_entries(state, inf)).tolist() == [*f, *(-x for x in f)]
+    assert state_entries(state, l2, STATS, host_entries(state, l2)).dtype == torch.float64
 
 
 @pytest.mark.parametrize(
@@ -115,9 +118,14 @@ def test_states_the_host_leaves_to_tensor_ops_give_the_same_digits(state):
 def test_a_traced_fingerprint_is_the_hosts():
     state = init_clip_state()._replace(count=torch.tensor(5), var=torch.tensor(0.5, dtype=torch.float64))
     entries = torch.compile(
-        lambda s: state_entries(s, norm_kind(2.0), STATS, host_fingerprint(s)), backend="aot_eager", fullgraph=True
+        lambda s: state_entries(s, norm_kind(2.0), STATS, host_entries(s, norm_kind(2.0))),
+        backend="aot_eager",
+        fullgraph=True,
     )
-    assert entries(state).tolist() == state_entries(state, norm_kind(2.0), STATS, host_fingerprint(state)).tolist()
+    assert (
+        entries(state).tolist()
+        == state_entries(state, norm_kind(2.0), STATS, host_entries(state, norm_kind(2.0))).tolist()
+    )
     assert entries(state).tolist()[:2] == reference(list(state))
 
 
