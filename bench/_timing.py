@@ -1,8 +1,8 @@
 """Timing: A/B interleaved rounds after warm-up, medians, and ratios taken within a round.
 
-Every round runs every variant once, in an order rotated by one each round,
-so slow drift of the machine (other processes, frequency, page cache) lands
-on all variants alike. A ratio between two variants is the median over
+Every round runs every variant once, in an order rotated by one each round
+(or shuffled), so slow drift of the machine (other processes, frequency, page
+cache) lands on all variants alike. A ratio between two variants is the median over
 rounds of their per-round ratio: both numbers of a pair come from the same
 moment of the same run.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
+import random
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -48,6 +49,7 @@ def interleaved(
     runs: int,
     warmup: int = 1,
     barrier: Callable[[], None] | None = None,
+    shuffle: bool = False,
 ) -> Timings:
     """Times each variant ``runs`` times, interleaved, after ``warmup`` untimed rounds.
 
@@ -58,6 +60,11 @@ def interleaved(
         warmup: Untimed rounds first (compilation, allocator, caches).
         barrier: Called before each timed call (e.g. ``dist.barrier``) so that
             distributed ranks start each call together.
+        shuffle: A random order each round (the same sequence on every rank:
+            a fixed seed) instead of the rotation. With three or more
+            variants a rotation gives each one the same predecessor almost
+            every round, and what a call leaves behind (caches, a peer's
+            timing) then biases the one after it.
     """
     if runs < MIN_RUNS:
         raise ValueError(f"runs must be >= {MIN_RUNS}, got {runs}")
@@ -69,8 +76,9 @@ def interleaved(
             variants[name]()
             first.setdefault(name, time.perf_counter() - t0)
     samples: dict[str, list[float]] = {name: [] for name in names}
+    rng = random.Random(0)
     for r in range(runs):
-        order = names[r % len(names) :] + names[: r % len(names)]
+        order = rng.sample(names, len(names)) if shuffle else names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             if barrier is not None:
                 barrier()

@@ -293,7 +293,7 @@ def _rank(rank: int, world: int, quick: bool, device_type: str) -> dict | None:
         timed = {**variants, "without again": variants["without"]}
         if known:
             timed["without, plus known work"] = lambda without=variants["without"]: (without(), _busy(KNOWN_US / 1e6))
-        t = interleaved(timed, runs=rounds, warmup=3, barrier=dist.barrier)
+        t = interleaved(timed, runs=rounds, warmup=3, barrier=dist.barrier, shuffle=True)
         row = {
             "case": name,
             "with_ms": t.ms("with"),
