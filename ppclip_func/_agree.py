@@ -516,7 +516,7 @@ def states_agree(
         # decision is read on the host, as exact integers below 2**53. (The ranks counted from the
         # world's table: DeviceMesh.size() costs a few us on a path this short.)
         ranks = len(world.rank_stage) if kind.op == "sum" else 1
-        if theirs.tolist() == [ranks * e for e in own] or math.isnan(total):
+        if theirs.tolist() == list(map(ranks.__mul__, own)) or math.isnan(total):
             return None
         raise StateDisagreement(f"{_state_message(state_type)} ({_state_ranks(world, own[: len(_WEIGHTS)])})")
     message = _state_message(state_type)
