@@ -1,25 +1,29 @@
 """What the ranks-agree checks cost in the steady state (issue 26): the clip with each check and without.
 
-* **Options** (``_agree.check_options``): after a configuration's first call
-  it is a comparison on the host with the configurations seen before.
+* **Options** (``_agree.check_call``): a call that repeats the last
+  configuration verified on its group is one comparison on the host; a
+  configuration met before but not last, a comparison with the ones seen.
   Measured on the eager in-place clip of many small leaves, where host work
   weighs most: ``clip_grad_norm_`` with and without ``groups``, and the
   adaptive clip with ``param_norms=`` (a ``ParamIndex`` of every leaf).
 * **Adaptive state** (``_agree.state_entries``/``states_agree``): four more
   float64 entries in the one all-reduce, a fingerprint of the state's bits
-  (eagerly on the CPU taken on the host from the state's bytes, and the
+  (eagerly on the CPU computed on the host from the state's values, and the
   decision read there; traced, tensor ops and one ``torch._assert_async``).
   Measured eager and compiled (inductor).
 
-"Without" switches the check off in the library (a no-op ``check_options``;
-``carries_state`` false, so no entries and no assert), in the same process,
-interleaved round by round with "with" (``bench/_timing.interleaved``), and
-run a second time in each round as an A/A control: the spread of
-without/without is what a with/without ratio can resolve. Two gloo ranks (a
-one-rank world has no collective, so no state check), one torch thread
-each, a barrier before each timed call. The precise numbers are the checks
-timed by themselves, the state check interleaved with the smallest
-adaptive clip (its share of that clip).
+"Without" switches the checks off in the library (no options comparison,
+nor the options the public functions make for it; ``carries_state`` false,
+so no entries and no assert), in the same process, interleaved round by
+round with "with" in a seeded random order (``bench/_timing.interleaved``),
+and run a second time in each round as an A/A control: the spread of
+without/without is what a with/without ratio can resolve. The smallest
+adaptive clip also runs "without" plus a known amount of busy work
+(:data:`KNOWN_US`): what the timing reads for it. Two gloo ranks (a
+one-rank world has no collective, so no state check), each pinned to a core
+of its own where there are enough, one torch thread each, a barrier before
+each timed call. The checks are also timed by themselves, the state check
+interleaved with the smallest adaptive clip (its share of that clip).
 
 Run: ``python -m bench.agree_cost`` (``--quick`` for a short run). Writes
 ``bench/results/agree_cost.json``. With ``--device cuda`` both ranks share
