@@ -429,6 +429,25 @@ def a_groups_function_written_in_the_loop_is_one_configuration(rank: int, world_
         assert c.ops == [gather] * first_sight + [all_reduce], (i, c.ops)
 
 
+def a_groups_mapping_changed_in_place_is_a_new_configuration(rank: int, world_size: int) -> None:
+    # The same dict object every call: a repeated call is one comparison with a copy of the last
+    # configuration, so a label added, or the labels reordered, in place is checked again.
+    mesh, _stage, params = _fresh()
+    gather, all_reduce = "c10d._allgather_base_", "_c10d_functional.all_reduce"
+    groups = {"w": _ending_with("weight")}
+    seen = []
+    for change in (None, None, "add a label", None, "reorder", None):
+        if change == "add a label":
+            groups["b"] = _ending_with("bias")
+        elif change == "reorder":
+            groups["w"] = groups.pop("w")  # the same items, "w" now last
+        with CollectiveCounter() as c:
+            clip_grad_norm_(params, mesh, 1.0, groups=groups)
+        seen.append(c.ops)
+    first_sight, again = [gather, all_reduce], [all_reduce]
+    assert seen == [first_sight, again, first_sight, again, first_sight, again], seen
+
+
 def compiled_with_its_state_check_one_graph_one_all_reduce_no_host_read(rank: int, world_size: int) -> None:
     mesh, _, params = _fresh()
     grads = {n: p.grad for n, p in params.items()}
@@ -480,6 +499,7 @@ CASES = [
     the_same_state_steps_on,
     after_the_first_call_one_all_reduce_and_nothing_else,
     a_groups_function_written_in_the_loop_is_one_configuration,
+    a_groups_mapping_changed_in_place_is_a_new_configuration,
     compiled_with_its_state_check_one_graph_one_all_reduce_no_host_read,
     inductor_keeps_every_gradient_when_the_states_differ,
 ]
