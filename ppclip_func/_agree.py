@@ -143,10 +143,11 @@ def check_call(
     if last is not None and _as_last(key, *last):
         return
     check_options(world, options(), tied)
-    _LAST_CALL[world.group_name] = _snapshot(key)
+    _LAST_CALL[world.group_name] = (_snapshot(key), _mapping_positions(key))
 
 
-# Group name -> the last call's key verified there (check_call), as _snapshot keeps it.
+# Group name -> the last call's key verified there (check_call), as _snapshot copies it, and where its
+# mappings are.
 _LAST_CALL: dict[str, tuple[tuple, tuple[int, ...]]] = per_group_cache({})
 
 
@@ -166,9 +167,7 @@ def _verify(
 ) -> None:
     own_caches()  # configurations agreed on under another default process group are forgotten
     seen = _VERIFIED.setdefault((group_name, names), [])
-    if seen and _as_last(values, *seen[-1]):  # a loop repeats its last call
-        return
-    if any(_same(values, v) for v, _ in reversed(seen)):  # then the others, the latest first
+    if any(_same(values, v) for v in reversed(seen)):  # the latest first (check_call has tried the last call)
         return
     _check(group_name, device_type, rank_stage, names, values)
     seen.append(_snapshot(values))
@@ -281,18 +280,20 @@ def _text(value: Any) -> str:
     return repr(value)
 
 
-def _snapshot(values: tuple) -> tuple[tuple, tuple[int, ...]]:
-    """``values`` with its mappings and lists copied (a dict changed in place later is a new
-    configuration), and where its mappings are."""
-    maps = tuple(i for i, v in enumerate(values) if isinstance(v, Mapping))
-    return tuple(dict(v) if i in maps else tuple(v) if isinstance(v, list) else v for i, v in enumerate(values)), maps
+def _snapshot(values: tuple) -> tuple:
+    """``values`` with its mappings and lists copied: a dict changed in place later is a new configuration."""
+    return tuple(dict(v) if isinstance(v, Mapping) else tuple(v) if isinstance(v, list) else v for v in values)
+
+
+def _mapping_positions(values: tuple) -> tuple[int, ...]:
+    return tuple(i for i, v in enumerate(values) if isinstance(v, Mapping))
 
 
 def _as_last(values: tuple, seen: tuple, maps: tuple[int, ...]) -> bool:
     """:func:`_same`'s answer where it is quick to give (a few us less per clip): the tuples equal by
-    Python's own comparison, which takes each value by identity first, and the mappings (at ``maps``, as
-    :func:`_snapshot` found them: an ABC's ``isinstance`` per option would cost more than the rest) in the
-    same order (a dict's equality ignores order); else ``False``, and :func:`_same` decides."""
+    Python's own comparison, which takes each value by identity first, and the mappings (at ``maps``, found
+    once by :func:`_mapping_positions`: an ABC's ``isinstance`` per option would cost more than the rest) in
+    the same order (a dict's equality ignores order); else ``False``, and :func:`_same` decides."""
     try:
         equal = values == seen
     except Exception:  # a value whose == cannot give a bool (a tensor of several elements)
@@ -421,12 +422,12 @@ def state_entries(
     ``own`` is :func:`host_entries`' answer for ``state``, taken by the
     caller: the values computed on the host from the state's bytes
     (eagerly, for a state on the CPU), which are written into a buffer of
-    this thread's (:func:`_host_entries`: valid until its next call, so the
+    this thread's (:func:`_buffered`: valid until its next call, so the
     caller copies them at once). ``None``: by tensor ops. Both give the same
     integers (``tests/test_state_fingerprint.py``).
     """
     if own is not None:
-        values = _host_entries(own)
+        values = _buffered(own)
         return values if stats.is_cpu else values.to(stats.device)
     f = state_fingerprint(state, stats.device)
     return torch.cat([f, f * f if kind.op == "sum" else -f])
@@ -446,7 +447,7 @@ def host_entries(state: Sequence[torch.Tensor], kind: NormKind) -> list[int] | N
 _ENTRY_BUFFERS = threading.local()
 
 
-def _host_entries(values: list[int]) -> torch.Tensor:
+def _buffered(values: list[int]) -> torch.Tensor:
     """The :data:`STATE_ENTRIES` ``values`` as a float64 CPU tensor over a buffer of this thread's, written
     in place: no torch op (a new tensor a step costs ~10 us inside the clip). It holds them until this
     thread's next call; the clip copies them into its statistics at once."""
@@ -510,17 +511,18 @@ def states_agree(
     device-side assert: the process must be restarted).
     """
     assert world.mesh is not None
-    # A sum adds every rank's own; an int, so that int64 entries stay int64 (exact: below 2**53).
+    # A sum adds every rank's own (the expected value is own times the world's size); a max or min, one.
     if own is not None and theirs.is_cpu:
         # Eagerly on the CPU (the host took the fingerprint) the collective has been waited for: the
         # decision is read on the host, as exact integers below 2**53. (The ranks counted from the
-        # world's table: DeviceMesh.size() costs a few us on a path this short.)
+        # world's table: DeviceMesh.size() costs a few us on a path this short; dynamo cannot read it.)
         ranks = len(world.rank_stage) if kind.op == "sum" else 1
         if theirs.tolist() == list(map(ranks.__mul__, own)) or math.isnan(total):
             return None
         raise StateDisagreement(f"{_state_message(state_type)} ({_state_ranks(world, own[: len(_WEIGHTS)])})")
     message = _state_message(state_type)
-    agree = (theirs == entries * (world.mesh.size() if kind.op == "sum" else 1)).all() | total.isnan()
+    ranks = world.mesh.size() if kind.op == "sum" else 1  # an int: int64 entries stay int64 (exact)
+    agree = (theirs == entries * ranks).all() | total.isnan()
     if agree.device.type in _ASSERTS:
         torch._assert_async(agree, message)
     return agree  # elsewhere the guard alone: the step is a no-op and skipped
@@ -585,31 +587,31 @@ def host_fingerprint(state: Sequence[torch.Tensor]) -> list[int] | None:
         if code is None:
             break
         codes.append(code)
-    else:
+    if len(codes) == len(state):
         # Every tensor a 0-dim one whose Python value holds its bits exactly (a ClipState's three are
         # such): one pack of them all, a third of the time of reading each one's memory. (tolist, not
         # item: inside the clip, where this code runs cold once a step, ~40 % less.)
         pack, unpack = _scalar_structs(tuple(codes))
-        scalars = unpack(pack(*[t.tolist() for t in state]))
-        first, second = _HOST_WEIGHT_CACHE.get(len(scalars)) or _host_weights(len(scalars))
-        return [sum(map(operator.mul, scalars, first)) % _PRIME, sum(map(operator.mul, scalars, second)) % _PRIME]
-    words: list[int] = []
-    for t in state:
-        if type(t) is not torch.Tensor or not t.is_cpu or not t.is_contiguous():
-            return None
-        size = t.element_size()
-        if len(words) + t.numel() * size // min(size, 4) > _HOST_WORDS:
-            return None
-        if t.numel():
-            # The bytes as the tensor ops read them (_words): native-order signed 32-bit words, a 2-byte
-            # element as a signed 16-bit word, a 1-byte element (bool included) unsigned.
-            raw = ctypes.string_at(t.data_ptr(), t.numel() * size)
-            words += memoryview(raw).cast(_WORD_FORMATS[min(size, 4)])
-    return [sum(map(operator.mul, words, row)) % _PRIME for row in _host_weights(len(words))]
+        words = unpack(pack(*[t.tolist() for t in state]))
+    else:
+        words = []
+        for t in state:
+            if type(t) is not torch.Tensor or not t.is_cpu or not t.is_contiguous():
+                return None
+            size = t.element_size()
+            if len(words) + t.numel() * size // min(size, 4) > _HOST_WORDS:
+                return None
+            if t.numel():
+                # The bytes as the tensor ops read them (_words): native-order signed 32-bit words, a 2-byte
+                # element as a signed 16-bit word, a 1-byte element (bool included) unsigned.
+                raw = ctypes.string_at(t.data_ptr(), t.numel() * size)
+                words += memoryview(raw).cast(_WORD_FORMATS[min(size, 4)])
+    first, second = _HOST_WEIGHT_CACHE.get(len(words)) or _host_weights(len(words))
+    return [sum(map(operator.mul, words, first)) % _PRIME, sum(map(operator.mul, words, second)) % _PRIME]
 
 
 _WORD_FORMATS = {4: "i", 2: "h", 1: "B"}  # by element size (larger elements: several 4-byte words)
-# dtypes whose 0-dim tensors' .item() gives back the very bits, with struct's format for them (sizes of 4
+# dtypes whose 0-dim tensors' Python values (tolist) hold the very bits, with struct's format for them (sizes of 4
 # and 8 bytes: packed together, they are whole 32-bit words).
 _EXACT_SCALARS = {torch.int64: "q", torch.float64: "d", torch.int32: "i"}
 
@@ -625,7 +627,6 @@ _HOST_WEIGHT_CACHE: dict[int, list[list[int]]] = {}
 
 
 def _host_weights(n: int) -> list[list[int]]:
-    """:func:`_weights` as Python ints."""
-    if n not in _HOST_WEIGHT_CACHE:
-        _HOST_WEIGHT_CACHE[n] = [[(i * a + b) % (_PRIME - 1) + 1 for i in range(n)] for a, b in _WEIGHTS]
-    return _HOST_WEIGHT_CACHE[n]
+    """:func:`_weights` as Python ints, made and kept in ``_HOST_WEIGHT_CACHE`` (which the caller reads first)."""
+    weights = _HOST_WEIGHT_CACHE[n] = [[(i * a + b) % (_PRIME - 1) + 1 for i in range(n)] for a, b in _WEIGHTS]
+    return weights

@@ -115,10 +115,13 @@ def measure(
     """
     checked: list[bool] = [False]
 
+    def options() -> dict[str, Any]:
+        return _static_options(kind.p, opts, state)
+
     def agree(world: World) -> None:
         # Traced, no key: the check runs at trace time (dynamo cannot trace an attrgetter on a dataclass).
         key = None if torch.compiler.is_compiling() else (kind.p, type(state), *_OPTION_FIELDS(opts))
-        check_call(world, key, lambda: _static_options(kind.p, opts, state), opts.tied)
+        check_call(world, key, options, opts.tied)
         checked[0] = True
 
     if mesh is not None and (world := world_of(mesh, [], opts.pp_dim, opts.pp_mesh)) is not None:
@@ -134,7 +137,7 @@ def measure(
     except Exception:
         # A rank that fails before its options check still takes part in it (its peers may be in the
         # gather), then in the statistics all-reduce.
-        _release(mesh, given, kind, opts, state, None if checked[0] else _static_options(kind.p, opts, state))
+        _release(mesh, given, kind, opts, state, None if checked[0] else options())
         raise
     n = len(labels) + 1
     with_state = state is not None and carries_state(world)

@@ -57,7 +57,7 @@ def from_bytes(data: bytes, dtype: torch.dtype) -> torch.Tensor:
 
 
 tensors = st.tuples(st.binary(min_size=0, max_size=64), st.sampled_from(DTYPES)).map(lambda p: from_bytes(*p))
-# One element as a 0-dim tensor, as a ClipState holds them (the host reads those through .item()).
+# One element as a 0-dim tensor, as a ClipState holds them (the host reads those through tolist()).
 scalars = st.tuples(st.binary(min_size=8, max_size=8), st.sampled_from(DTYPES)).map(
     lambda p: from_bytes(*p)[:1].reshape(())
 )
