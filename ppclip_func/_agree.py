@@ -240,7 +240,7 @@ def _all_gather_rows(group_name: str, row: list[int], device_type: str) -> list[
     device = device_of(device_type)
     mine = torch.tensor(row, dtype=torch.int64, device=device)
     table = torch.empty(size * len(row), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(table, mine, group=group)
+    dist.all_gather_single(table, mine, group=group)  # (all_gather_into_tensor, deprecated in torch 2.13)
     return table.view(size, -1).tolist()
 
 

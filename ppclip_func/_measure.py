@@ -124,14 +124,13 @@ def measure(
         check_call(world, key, options, opts.tied)
         checked[0] = True
 
-    if mesh is not None and (world := world_of(mesh, [], opts.pp_dim, opts.pp_mesh)) is not None:
-        agree(world)  # else the clip raises why, on every rank of that mesh alike
-    # The state's entries computed on the host, where they can be (eagerly, from a CPU state).
-    own = host_entries(state, kind) if state is not None else None
+    known = world_of(mesh, [], opts.pp_dim, opts.pp_mesh) if mesh is not None else None
+    if known is not None:
+        agree(known)  # else the clip raises why, on every rank of that mesh alike
     try:
         leaves = flatten_grads(read_grads(), what)
         # With mesh=None the leaves name the world: checked there, before partial="reduce"'s collectives.
-        world, stats, labels = _local_part(leaves, mesh, kind, opts, agree if mesh is None else None)
+        world, stats, labels = _local_part(leaves, mesh, kind, opts, agree if mesh is None else None, known)
     except Disagreement:
         raise  # every rank raises it, before any other collective
     except Exception:
@@ -141,7 +140,10 @@ def measure(
         raise
     n = len(labels) + 1
     with_state = state is not None and carries_state(world)
+    own = None
     if with_state:
+        # The state's entries computed on the host, where they can be (eagerly, from a CPU state).
+        own = host_entries(state, kind)
         entries = state_entries(state, kind, stats, own)
         stats = torch.cat([stats, entries])
     # Waited for at once, in eager mode: everything after reads it, and every op on the collective's
@@ -256,10 +258,13 @@ def _local_part(
     kind: NormKind,
     opts: NormOptions,
     on_world: Callable[[World], None] | None = None,
+    known: World | None = None,
 ) -> tuple[World, torch.Tensor, list[str]]:
     """Returns the world, this rank's encoded statistics and the group labels; no collective but ``partial``'s.
 
     ``on_world`` is called with the world as soon as it is known, before ``partial``'s collectives.
+    ``known`` is the world as :func:`world_of` resolved it from ``mesh``, if the caller has (a world of a
+    ``mesh`` does not depend on the leaves; resolving it is a few us a call).
     """
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
@@ -275,7 +280,7 @@ def _local_part(
     tensors, shards = list(leaves.tensors), list(leaves.shards)
     # A Partial leaf reduced below keeps its mesh: the world is known before.
     leaf_meshes = [t.device_mesh for t in tensors if isinstance(t, DTensor)] if leaves.has_dtensor else []
-    world = resolve_world(mesh, stages, leaf_meshes)
+    world = known if known is not None else resolve_world(mesh, stages, leaf_meshes)
     if on_world is not None:
         on_world(world)
     if opts.partial == "reduce":
