@@ -213,25 +213,42 @@ def _world(mesh):
     return resolve_world(mesh, pipeline_stages(mesh, None, None), [])
 
 
-def state_check(mesh, n_stats: int):
+def state_check(mesh, n_stats: int, passed_back: bool = True):
     """One eager state check as the clip makes it, by itself: a ClipState's entries, their place at the
-    end of a statistics vector of ``n_stats`` values and back out of it, and the comparison."""
-    from ppclip_func._agree import STATE_ENTRIES, host_entries, state_entries, states_agree
+    end of a statistics vector of ``n_stats`` values and back out of it, and the comparison. With
+    ``passed_back``, the state is the one the clip last returned (the steady state: its bits are not read
+    again); else a state the clip has not seen (its bits read: a state re-made or restored)."""
+    from ppclip_func._agree import (
+        STATE_ENTRIES,
+        host_entries,
+        host_states_agree,
+        returned,
+        state_entries,
+        states_agree,
+    )
 
     world, kind, device = _world(mesh), norm_kind(2.0), _device(mesh)
     state = init_clip_state(device)
     norm = torch.tensor(1.0, dtype=torch.float64, device=device)  # finite: a NaN norm is not checked
     stats = torch.zeros(n_stats, dtype=torch.float64, device=device)
-    summed = state_entries(state, kind, stats, host_entries(state, kind)) * float(
-        world.mesh.size()
-    )  # what agreeing ranks' entries sum to
+    on_host = stats.is_cpu  # as the clip decides
+    own = host_entries(state, kind, world.group_name) if on_host else None
+    if passed_back and own is not None:
+        returned(state, (world.group_name, (own[0], own[1])))
+        own = host_entries(state, kind, world.group_name)
+    # What agreeing ranks' entries sum to.
+    summed = state_entries(state, kind, stats, own) * float(world.mesh.size())
 
     def check() -> None:
-        own = host_entries(state, kind)
+        own = host_entries(state, kind, world.group_name) if on_host else None
         entries = state_entries(state, kind, stats, own)
-        reduced = torch.cat([stats, summed])  # as the clip's one cat of its statistics and the entries
+        reduced = torch.cat([stats, entries])  # as the clip's one cat of its statistics and the entries
         reduced, theirs = reduced[:-STATE_ENTRIES], reduced[-STATE_ENTRIES:]
-        states_agree(theirs, entries, norm, kind, world, type(state), own)
+        theirs = summed  # what the all-reduce gives agreeing ranks
+        if own is not None:
+            host_states_agree(theirs, own, norm, state, kind, world)
+        else:
+            states_agree(theirs, entries, norm, kind, world, type(state))
 
     return check
 
