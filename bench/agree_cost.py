@@ -105,8 +105,10 @@ def _done(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _pair(call, device: torch.device) -> dict:
-    """``call`` with the checks and without, as interleaved variants, each waited for on ``device``."""
+def _pair(call, device: torch.device, call_without=None) -> dict:
+    """``call`` with the checks and ``call_without`` (default: ``call``) without, as interleaved variants,
+    each waited for on ``device``."""
+    call_without = call_without or call
 
     def with_checks():
         call()
@@ -114,10 +116,24 @@ def _pair(call, device: torch.device) -> dict:
 
     def without():
         with checks_off():
-            call()
+            call_without()
         _done(device)
 
     return {"with": with_checks, "without": without}
+
+
+def _stepping(clip, device: torch.device):
+    """Calls of the adaptive ``clip(state)`` that pass back the state it last returned, as a training loop
+    does; one for each variant (each steps on its own state)."""
+
+    def call() -> None:
+        state[0] = clip(state[0]).state
+
+    def call_without() -> None:
+        state_without[0] = clip(state_without[0]).state
+
+    state, state_without = [init_clip_state(device)], [init_clip_state(device)]
+    return call, call_without
 
 
 def eager_cases(mesh, quick: bool) -> dict[str, dict]:
@@ -128,8 +144,9 @@ def eager_cases(mesh, quick: bool) -> dict[str, dict]:
     index = param_norm_index(params, mesh)
     big = 1e9  # nothing is scaled: every call sees the same grads
 
-    def adaptive():
-        adaptive_clip_grad_norm_(params, mesh, init_clip_state(device), max_norm=big, param_norms=index)
+    adaptive = _stepping(
+        lambda state: adaptive_clip_grad_norm_(params, mesh, state, max_norm=big, param_norms=index), device
+    )
 
     dim, layers = (768, 12) if not quick else (64, 2)
     named = [name for name, _ in gpt_shapes(dim, layers, 50257 if not quick else 512, 1024 if not quick else 64)]
@@ -137,17 +154,16 @@ def eager_cases(mesh, quick: bool) -> dict[str, dict]:
     gpt = dict(zip(named, make_params(make_grads(shapes, torch.float32, device=device)), strict=True))
     gpt_name = f"{len(gpt)} leaves, {numel(shapes) / 1e6:.0f} M elements"
 
-    def adaptive_gpt():
-        adaptive_clip_grad_norm_(gpt, mesh, init_clip_state(device), max_norm=big)
+    adaptive_gpt = _stepping(lambda state: adaptive_clip_grad_norm_(gpt, mesh, state, max_norm=big), device)
 
     return {
-        f"adaptive_clip_grad_norm_, GPT-2 shapes ({gpt_name})": _pair(adaptive_gpt, device),
+        f"adaptive_clip_grad_norm_, GPT-2 shapes ({gpt_name})": _pair(adaptive_gpt[0], device, adaptive_gpt[1]),
         f"clip_grad_norm_, GPT-2 shapes ({gpt_name})": _pair(lambda: clip_grad_norm_(gpt, mesh, big), device),
         f"clip_grad_norm_, {n} leaves of {size}": _pair(lambda: clip_grad_norm_(params, mesh, big), device),
         f"clip_grad_norm_, {n} leaves of {size}, {n} groups": _pair(
             lambda: clip_grad_norm_(params, mesh, big, groups=groups), device
         ),
-        f"adaptive_clip_grad_norm_ with param_norms, {n} leaves of {size}": _pair(adaptive, device),
+        f"adaptive_clip_grad_norm_ with param_norms, {n} leaves of {size}": _pair(adaptive[0], device, adaptive[1]),
     }
 
 
@@ -213,42 +229,25 @@ def _world(mesh):
     return resolve_world(mesh, pipeline_stages(mesh, None, None), [])
 
 
-def state_check(mesh, n_stats: int, passed_back: bool = True):
+def state_check(mesh, n_stats: int):
     """One eager state check as the clip makes it, by itself: a ClipState's entries, their place at the
-    end of a statistics vector of ``n_stats`` values and back out of it, and the comparison. With
-    ``passed_back``, the state is the one the clip last returned (the steady state: its bits are not read
-    again); else a state the clip has not seen (its bits read: a state re-made or restored)."""
-    from ppclip_func._agree import (
-        STATE_ENTRIES,
-        host_entries,
-        host_states_agree,
-        returned,
-        state_entries,
-        states_agree,
-    )
+    end of a statistics vector of ``n_stats`` values and back out of it, and the comparison."""
+    from ppclip_func._agree import STATE_ENTRIES, host_entries, state_entries, states_agree
 
     world, kind, device = _world(mesh), norm_kind(2.0), _device(mesh)
     state = init_clip_state(device)
     norm = torch.tensor(1.0, dtype=torch.float64, device=device)  # finite: a NaN norm is not checked
     stats = torch.zeros(n_stats, dtype=torch.float64, device=device)
-    on_host = stats.is_cpu  # as the clip decides
-    own = host_entries(state, kind, world.group_name) if on_host else None
-    if passed_back and own is not None:
-        returned(state, (world.group_name, (own[0], own[1])))
-        own = host_entries(state, kind, world.group_name)
-    # What agreeing ranks' entries sum to.
-    summed = state_entries(state, kind, stats, own) * float(world.mesh.size())
+    summed = state_entries(state, kind, stats, host_entries(state, kind)) * float(
+        world.mesh.size()
+    )  # what agreeing ranks' entries sum to
 
     def check() -> None:
-        own = host_entries(state, kind, world.group_name) if on_host else None
+        own = host_entries(state, kind)
         entries = state_entries(state, kind, stats, own)
-        reduced = torch.cat([stats, entries])  # as the clip's one cat of its statistics and the entries
+        reduced = torch.cat([stats, summed])  # as the clip's one cat of its statistics and the entries
         reduced, theirs = reduced[:-STATE_ENTRIES], reduced[-STATE_ENTRIES:]
-        theirs = summed  # what the all-reduce gives agreeing ranks
-        if own is not None:
-            host_states_agree(theirs, own, norm, state, kind, world)
-        else:
-            states_agree(theirs, entries, norm, kind, world, type(state))
+        states_agree(theirs, entries, norm, kind, world, type(state), own)
 
     return check
 
@@ -266,12 +265,7 @@ def state_check_share(mesh, quick: bool, clip, runs: int) -> dict[str, float]:
             check()
         _done(_device(mesh))
 
-    t = interleaved(
-        {"clip": clip, "checks": checks},
-        runs=runs,
-        warmup=3,
-        barrier=dist.barrier,
-    )
+    t = interleaved({"clip": clip, "checks": checks}, runs=runs, warmup=3, barrier=dist.barrier)
     us = 1e3 * t.ms("checks") / reps
     return {"check_us": us, "clip_without_checks_ms": t.ms("clip"), "share": us / (1e3 * t.ms("clip"))}
 

@@ -41,7 +41,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._agree import agreed, label_set, returned
+from ._agree import agreed, label_set
 from ._call import _check_clip_args, _grad_reader, _rewrap
 from ._exclude import check_exclude, included_params, without_excluded
 from ._measure import Measured, NormOptions, PpDim, measure, validated
@@ -236,8 +236,6 @@ def _step(
         mask = torch.tensor(params_in).to(coef.device)
         coef = torch.where(mask, coef, 1.0)
         new_state = AdaGCState(new_state.count, torch.where(mask, new_state.gamma, state.gamma))
-    if measured.lineage is not None:  # checked on the host, every rank alike: passed back, not read again
-        returned(new_state, measured.lineage)
     slots = leaf_slots(index, leaves.index, len(leaves.flat), leaves.paths)
     if len(counted) != len(slots):
         slots = [slots[i] for i in counted]

@@ -33,16 +33,7 @@ adds a collective to the steady state:
   and the reduced vector are already on the host, the fingerprint is taken
   from the state's bytes and the decision read there (on a CPU, less than
   half the time of the same arithmetic as tensor ops) and a disagreement
-  raises at once. There, a state that this rank's clip returned after a
-  step every rank was seen to share, passed back unchanged (the same
-  tensors, none changed in place), is not read again: it is what every
-  rank computed alike from the same reduced norm, and it sends digits
-  derived from the shared ones (:func:`returned`). A rank that sends
-  anything else (a state re-made, restored, or from another step) makes
-  the digits differ; every rank sees it, reads its state's bits and
-  compares them with one more gather (the state's place, traced or eager
-  and on which device, is a static option, so every rank takes this path
-  alike). Traced, or on CUDA, nothing is read on the host: a disagreement
+  raises at once; traced, or on CUDA, nothing is read on the host: a disagreement
   stops the step with ``torch._assert_async`` and, where that cannot raise
   at once (CUDA), makes the step a no-op (threshold ``inf``, ``skip``
   true), so no gradient is scaled by a decision the ranks do not share.
@@ -442,63 +433,15 @@ def state_entries(
     return torch.cat([f, f * f if kind.op == "sum" else -f])
 
 
-def host_entries(state: Sequence[torch.Tensor], kind: NormKind, group_name: str | None = None) -> list[int] | None:
-    """:func:`state_entries`' values computed on the host, as Python ints; ``None`` where that cannot be done
-    (then the tensor ops take it).
-
-    The digits are :func:`host_fingerprint`'s (a ``ClipState``'s in ~4 us,
-    where the tensor ops take ~17 us, each op a few us of dispatch), or,
-    for the state this rank's clip last returned on ``group_name`` and
-    passed back unchanged, the digits it was given then (:func:`returned`):
-    its bits are not read again. Only for a check made on the host, which
-    can settle a difference between such digits and a peer's fingerprint
-    (:func:`host_states_agree`); with no ``group_name``, always the bits'.
-    """
-    digits = _returned_digits(state, group_name)
+def host_entries(state: Sequence[torch.Tensor], kind: NormKind) -> list[int] | None:
+    """:func:`state_entries`' values computed on the host, as Python ints, from :func:`host_fingerprint`
+    (a ``ClipState``'s in ~4 us, where the tensor ops take ~17 us, each op a few us of dispatch); ``None``
+    where that cannot be done (then the tensor ops take it)."""
+    digits = host_fingerprint(state)
     if digits is None:
-        digits = host_fingerprint(state)
-        if digits is None:
-            return None
+        return None
     a, b = digits
     return [a, b, a * a, b * b] if kind.op == "sum" else [a, b, -a, -b]
-
-
-# Group name -> the adaptive state this rank's clip last returned there after a check on the host: its tensors,
-# their versions then, and the digits it stands for.
-_RETURNED: dict[str, tuple[tuple[torch.Tensor, ...], tuple[int, ...], tuple[int, int]]] = per_group_cache({})
-_VERSION = operator.attrgetter("_version")  # bumped by every in-place op, a checkpoint loaded in place included
-
-
-def returned(state: Sequence[torch.Tensor], lineage: tuple[str, tuple[int, int]]) -> None:
-    """Remembers ``state`` as the one this rank's clip returns, after a step whose states every rank was
-    seen to share (:attr:`Measured.lineage <ppclip_func._measure.Measured>`: the group, and the digits
-    they shared).
-
-    Passed back unchanged (the same tensors, none changed in place since),
-    it is the state every rank's clip computed alike from the same reduced
-    norm, as their previous states agreed: its next check sends digits
-    derived from the ones shared, without reading its bits. Every rank that
-    passes back its own returned state sends the same; a rank whose state
-    is anything else sends its bits' fingerprint, and the check settles
-    the difference by reading them (:func:`host_states_agree`).
-    """
-    group_name, (a, b) = lineage
-    try:
-        versions = tuple(map(_VERSION, state))
-    except RuntimeError:  # inference tensors keep no version: nothing is remembered
-        return
-    # A new pair for the new state (a state that steps on is not the one before it), alike on every rank.
-    _RETURNED[group_name] = (tuple(state), versions, ((a * 7919 + 1) % _PRIME, (b * 104729 + 7) % _PRIME))
-
-
-def _returned_digits(state: Sequence[torch.Tensor], group_name: str | None) -> tuple[int, int] | None:
-    last = _RETURNED.get(group_name)
-    if last is None:
-        return None
-    tensors, versions, digits = last
-    if len(state) != len(tensors) or any(map(operator.is_not, state, tensors)):
-        return None
-    return digits if tuple(map(_VERSION, state)) == versions else None
 
 
 _ENTRY_BUFFERS = threading.local()
@@ -544,67 +487,44 @@ def state_poison(device: torch.device) -> torch.Tensor:
     return torch.full((STATE_ENTRIES,), math.nan, dtype=torch.float64, device=device)
 
 
-def host_states_agree(
+def states_agree(
     theirs: torch.Tensor,
-    own: list[int],
+    entries: torch.Tensor,
     total: torch.Tensor,
-    state: Sequence[torch.Tensor],
     kind: NormKind,
     world: World,
-) -> tuple[int, int] | None:
-    """The check on the host (eagerly, the state's entries and the reduced vector on the CPU): raises a
-    :class:`StateDisagreement` on every rank unless every rank's state is this rank's; returns the digits
-    they share (for :func:`returned`), or ``None`` where the step was let pass unchecked.
+    state_type: type,
+    own: list[int] | None,
+) -> torch.Tensor | None:
+    """Stops the step unless every rank's state is this rank's; returns that as a 0-dim bool for the caller
+    to guard its scaling with where the stop may come later (on CUDA, or compiled), else ``None``.
 
     ``theirs`` is the reduced vector's last :data:`STATE_ENTRIES` values,
-    ``own`` this rank's (:func:`host_entries`), read as exact integers
-    below 2**53. Where they differ, every rank sees it (the sums match a
-    rank's own only if every rank sent the same) and reads its state's bits
-    (a rank that sent a returned state's digits has not yet); one more
-    gather, on this path only, where every rank is, compares those: equal,
-    the step goes on (a rank restored its state, or re-made it, with the
-    same values), else every rank raises, naming the ranks. A NaN ``total``
-    lets the step pass unchecked: a peer failed before its statistics
-    (``release_peers``: its own error says why, and it takes part in no
-    gather) or a gradient is NaN, and the step is not taken.
-    """
-    # A sum adds every rank's own (the ranks counted from the world's table: DeviceMesh.size() costs a few
-    # us on a path this short); a max or min, one.
-    ranks = len(world.rank_stage) if kind.op == "sum" else 1
-    if theirs.tolist() == list(map(ranks.__mul__, own)):
-        return own[0], own[1]
-    if math.isnan(total):
-        return None
-    bits = host_fingerprint(state)  # not None: this state's entries were computed on the host
-    assert bits is not None and world.group_name is not None and world.mesh is not None
-    table = _all_gather_rows(world.group_name, bits, world.mesh.device_type)
-    members = dist.get_process_group_ranks(_group(world.group_name))
-    odd = [r for r, row in zip(members, table) if row != table[0]]
-    if not odd:
-        return bits[0], bits[1]
-    raise StateDisagreement(f"{_state_message(type(state))} ({_some(odd)} from rank {members[0]})")
-
-
-def states_agree(
-    theirs: torch.Tensor, entries: torch.Tensor, total: torch.Tensor, kind: NormKind, world: World, state_type: type
-) -> torch.Tensor:
-    """The check by tensor ops (traced, or on CUDA): stops the step unless every rank's state is this rank's,
-    and returns that as a 0-dim bool for the caller to guard its scaling with, as the stop may come later.
-
-    ``theirs`` is the reduced vector's last :data:`STATE_ENTRIES` values,
-    ``entries`` this rank's own (:func:`state_entries`). A NaN ``total``
-    lets the step pass, as on the host (:func:`host_states_agree`; a
-    max/min all-reduce may drop a failed peer's NaN entries, the norm's
-    levels keep it). The stop is ``torch._assert_async`` (on CUDA a
+    ``entries`` this rank's own (:func:`state_entries`, made from ``own``
+    where those were computed on the host, :func:`host_entries`). A NaN ``total`` lets
+    the step pass: a peer failed before its statistics (``release_peers``;
+    its own error says why; a max/min all-reduce may drop its NaN entries, the
+    norm's levels keep it) or a gradient is NaN, and the step is not taken.
+    The stop: eagerly on the CPU a :class:`StateDisagreement` raised here,
+    naming the ranks (one more gather, on this error path only, where every
+    rank is); on CUDA and compiled ``torch._assert_async`` (on CUDA a
     device-side assert: the process must be restarted).
     """
     assert world.mesh is not None
-    # A sum adds every rank's own (dynamo cannot read the world's table's length: the mesh's size); a max or
-    # min, one. An int: int64 entries stay int64 (exact).
-    ranks = world.mesh.size() if kind.op == "sum" else 1
+    # A sum adds every rank's own (the expected value is own times the world's size); a max or min, one.
+    if own is not None and theirs.is_cpu:
+        # Eagerly on the CPU (the host took the fingerprint) the collective has been waited for: the
+        # decision is read on the host, as exact integers below 2**53. (The ranks counted from the
+        # world's table: DeviceMesh.size() costs a few us on a path this short; dynamo cannot read it.)
+        ranks = len(world.rank_stage) if kind.op == "sum" else 1
+        if theirs.tolist() == list(map(ranks.__mul__, own)) or math.isnan(total):
+            return None
+        raise StateDisagreement(f"{_state_message(state_type)} ({_state_ranks(world, own[: len(_WEIGHTS)])})")
+    message = _state_message(state_type)
+    ranks = world.mesh.size() if kind.op == "sum" else 1  # an int: int64 entries stay int64 (exact)
     agree = (theirs == entries * ranks).all() | total.isnan()
     if agree.device.type in _ASSERTS:
-        torch._assert_async(agree, _state_message(state_type))
+        torch._assert_async(agree, message)
     return agree  # elsewhere the guard alone: the step is a no-op and skipped
 
 
@@ -617,6 +537,15 @@ _STATE_NAMES = {
     "ClipState": "adaptive clip states (ClipState: count, mean, var)",
     "AdaGCState": "AdaGC states (AdaGCState: count, gamma)",
 }
+
+
+def _state_ranks(world: World, digits: list[int]) -> str:
+    """Which ranks' state differs from the first rank's: one gather, made by every rank (all of them are here)."""
+    assert world.group_name is not None and world.mesh is not None
+    table = _all_gather_rows(world.group_name, digits, world.mesh.device_type)
+    ranks = dist.get_process_group_ranks(_group(world.group_name))
+    odd = [r for r, row in zip(ranks, table) if row != table[0]]
+    return f"{_some(odd)} from rank {ranks[0]}"
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,6 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from ._adaptive import ClipState, ClipStats, Rule, adapt
-from ._agree import returned
 from ._measure import Measured
 from ._scale import NONFINITE_POLICIES
 from ._tree import Leaves
@@ -35,8 +34,6 @@ def _adapt(measured: Measured, state: ClipState, rule: Rule, with_groups: bool) 
         # (CUDA), nothing is scaled or stepped by a decision the ranks do not share.
         threshold = torch.where(measured.agree, threshold, math.inf)
         skip = torch.where(measured.agree, skip, True)
-    if measured.lineage is not None:  # checked on the host, every rank alike: passed back, not read again
-        returned(new_state, measured.lineage)
     groups = measured.per_group if with_groups else None
     return ClipStats(total, threshold.to(total.dtype), zscore, skip, new_state, groups, measured.per_param)
 

@@ -25,7 +25,6 @@ from ._agree import (
     carries_state,
     check_call,
     host_entries,
-    host_states_agree,
     state_entries,
     states_agree,
 )
@@ -74,9 +73,6 @@ class Measured:
     ``agree`` (with an adaptive state, where the stop on a disagreement may
     come after the scaling: on CUDA, or compiled) is whether every rank held
     the same state; the caller makes its step a no-op where it is false.
-    ``lineage`` (with an adaptive state checked on the host, every rank
-    seen to hold the same) is the group and the digits the states shared:
-    the caller passes it, with the state it returns, to ``_agree.returned``.
     """
 
     leaves: Leaves
@@ -85,7 +81,6 @@ class Measured:
     per_param: torch.Tensor | None = None
     reduced: torch.Tensor | None = None
     agree: torch.Tensor | None = None
-    lineage: tuple[str, tuple[int, int]] | None = None
 
     def norms(self, with_groups: bool) -> torch.Tensor | tuple[torch.Tensor, GroupNorms]:
         """Returns the public result: the total, and the groups' norms if asked for."""
@@ -147,9 +142,8 @@ def measure(
     with_state = state is not None and carries_state(world)
     own = None
     if with_state:
-        assert world.group_name is not None
-        # The state's entries computed on the host, where the check is made there (eagerly, on the CPU).
-        own = host_entries(state, kind, world.group_name) if stats.is_cpu else None
+        # The state's entries computed on the host, where they can be (eagerly, from a CPU state).
+        own = host_entries(state, kind)
         entries = state_entries(state, kind, stats, own)
         stats = torch.cat([stats, entries])
     # Waited for at once, in eager mode: everything after reads it, and every op on the collective's
@@ -158,17 +152,14 @@ def measure(
     if with_state:
         reduced, theirs = reduced[:-STATE_ENTRIES], reduced[-STATE_ENTRIES:]  # (Tensor.split is Python)
     per_entry, total = kind.decode(reduced, per_group=bool(labels) or opts.params is not None, n_total=n)
-    same_state = lineage = None
-    if own is not None:
-        shared = host_states_agree(theirs, own, total, state, kind, world)
-        lineage = None if shared is None else (world.group_name, shared)
-    elif with_state:
-        same_state = states_agree(theirs, entries, total, kind, world, type(state))
+    same_state = None
+    if with_state:
+        same_state = states_agree(theirs, entries, total, kind, world, type(state), own)
     # Float64, as the reduced statistics: every rank holds these bits, whatever leaves it holds (a
     # stage's own dtypes would differ between stages), and a float64 model keeps a float64 norm.
     groups = {label: per_entry[i] for i, label in enumerate(labels)} if labels else {}
     per_param = per_entry[n:] if opts.params is not None else None
-    return Measured(leaves, total, groups, per_param, reduced, same_state, lineage)
+    return Measured(leaves, total, groups, per_param, reduced, same_state)
 
 
 T = TypeVar("T")
@@ -248,21 +239,8 @@ def _static_options(p: Any, opts: NormOptions, state: Any) -> dict[str, Any]:
         if isinstance(opts.pp_mesh, DeviceMesh)
         else opts.pp_mesh,
         "the adaptive state's type": type(state).__name__ if state is not None else None,
-        "where the adaptive state is checked": _state_place(state),
         **dict(opts.also_agree),
     }
-
-
-def _state_place(state: Any) -> str | None:
-    """Where an adaptive state is checked: traced, or eagerly on its tensors' devices (on the CPU, on the
-    host). Every rank must check it alike: a rank that settles a difference on the host gathers once more
-    (``_agree.host_states_agree``), which a rank checking by tensor ops would not join."""
-    if state is None:
-        return None
-    if torch.compiler.is_compiling():
-        return "traced"
-    devices = sorted({t.device.type for t in state if isinstance(t, torch.Tensor)})
-    return "eagerly, on " + ", ".join(devices)
 
 
 def _n_entries(opts: NormOptions) -> int:
