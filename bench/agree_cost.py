@@ -39,6 +39,7 @@ import importlib
 import json
 import os
 import pathlib
+import statistics
 import time
 from collections.abc import Callable
 
@@ -289,6 +290,53 @@ def _pin(rank: int, world: int) -> bool:
     return True
 
 
+def _time_case(name: str, variants: dict, rounds: int) -> dict:
+    """One case's row: with / without, and "without" twice (the spread of an A/A ratio is what a
+    with/without ratio can resolve). The smallest adaptive clip also runs "without" plus a known amount
+    of busy work: what the timing reads for it."""
+    known = name.startswith(SMALLEST)
+    timed = {**variants, "without again": variants["without"]}
+    if known:
+        timed["without, plus known work"] = lambda without=variants["without"]: (without(), _busy(KNOWN_US / 1e6))
+    t = interleaved(timed, runs=rounds, warmup=3, barrier=dist.barrier, shuffle=True)
+    row = {
+        "case": name,
+        "with_ms": t.ms("with"),
+        "without_ms": t.ms("without"),
+        "ratio": t.ratio("with", "without"),
+        "a_a_ratio": t.ratio("without again", "without"),
+        "rounds": rounds,
+    }
+    if known:
+        # (ratio - 1) x the call's time: the extra microseconds the timing reads for KNOWN_US of work.
+        row["known_us"] = KNOWN_US
+        row["known_read_us"] = (t.ratio("without, plus known work", "without") - 1) * 1e3 * t.ms("without")
+        row["checks_read_us"] = (row["ratio"] - 1) * 1e3 * t.ms("without")
+    return row
+
+
+SMALLEST = "adaptive_clip_grad_norm_ with"  # the smallest adaptive clip: the case nearest the goal
+
+
+def _smallest_rank(rank: int, world: int, quick: bool) -> dict | None:
+    """The smallest adaptive clip's row alone, in processes of its own (see :func:`smallest_launches`)."""
+    torch.set_num_threads(1)
+    _pin(rank, world)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    name, variants = next((n, v) for n, v in eager_cases(mesh, quick).items() if n.startswith(SMALLEST))
+    row = _time_case(name, variants, 101 if quick else 1001)
+    return row if rank == 0 else None
+
+
+def smallest_launches(launches: int, quick: bool) -> dict:
+    """The smallest adaptive clip timed in ``launches`` pairs of new processes: its ratio moves from one
+    start of the processes to the next by more than within one (the known work's reading too), so one
+    start is not the measurement."""
+    rows = [spawn(_smallest_rank, 2, quick, timeout=900)[0] for _ in range(launches)]
+    ratios = sorted(r["ratio"] for r in rows)
+    return {"rows": rows, "median_ratio": statistics.median(ratios), "ratios": ratios}
+
+
 def _rank(rank: int, world: int, quick: bool, device_type: str) -> dict | None:
     torch.set_num_threads(1)
     pinned = _pin(rank, world)
@@ -300,31 +348,10 @@ def _rank(rank: int, world: int, quick: bool, device_type: str) -> dict | None:
     eager = eager_cases(mesh, quick)
     cases = [*eager.items(), compiled_case(mesh, quick)]
     for name, variants in cases:
-        # "without" twice: the spread of an A/A ratio is what a with/without ratio can resolve. The small
-        # clips (a few ms) get many more rounds: their ratios are the ones near the goal. The smallest
-        # adaptive clip also runs "without" plus a known amount of busy work: what the timing reads for it.
-        rounds = runs if "GPT-2" in name or quick else 1001
-        known = name.startswith("adaptive_clip_grad_norm_ with")
-        timed = {**variants, "without again": variants["without"]}
-        if known:
-            timed["without, plus known work"] = lambda without=variants["without"]: (without(), _busy(KNOWN_US / 1e6))
-        t = interleaved(timed, runs=rounds, warmup=3, barrier=dist.barrier, shuffle=True)
-        row = {
-            "case": name,
-            "with_ms": t.ms("with"),
-            "without_ms": t.ms("without"),
-            "ratio": t.ratio("with", "without"),
-            "a_a_ratio": t.ratio("without again", "without"),
-            "rounds": rounds,
-        }
-        if known:
-            # (ratio - 1) x the call's time: the extra microseconds the timing reads for KNOWN_US of work.
-            row["known_us"] = KNOWN_US
-            row["known_read_us"] = (t.ratio("without, plus known work", "without") - 1) * 1e3 * t.ms("without")
-            row["checks_read_us"] = (row["ratio"] - 1) * 1e3 * t.ms("without")
-        rows.append(row)
+        # The small clips (a few ms) get many more rounds: their ratios are the ones near the goal.
+        rows.append(_time_case(name, variants, runs if "GPT-2" in name or quick else 1001))
     solo = alone(mesh, quick)
-    smallest = next(variants for name, variants in eager.items() if name.startswith("adaptive_clip_grad_norm_ with"))
+    smallest = next(variants for name, variants in eager.items() if name.startswith(SMALLEST))
     share = state_check_share(mesh, quick, smallest["without"], runs)
     result = {
         "machine": machine(),
@@ -390,8 +417,17 @@ def main() -> None:
         default="cpu",
         help="cuda: both ranks on the one GPU, gloo moving CUDA tensors",
     )
+    parser.add_argument(
+        "--launches",
+        type=int,
+        default=None,
+        help="starts of new processes for the smallest adaptive clip alone (default 5; 1 with --quick)",
+    )
     args = parser.parse_args()
     result = spawn(_rank, 2, args.quick, args.device, timeout=1800)[0]
+    if args.device == "cpu":
+        launches = args.launches if args.launches is not None else (1 if args.quick else 5)
+        result["smallest_launches"] = smallest_launches(launches, args.quick)
     if args.device == "cuda":
         result["one_gpu"] = one_gpu(args.quick)
         print("one GPU, one process:", {k: round(v, 4) for k, v in result["one_gpu"].items()})
@@ -412,6 +448,16 @@ def main() -> None:
                 f"  read as extra time: the checks {r['checks_read_us']:.0f} us; {r['known_us']:.0f} us of known "
                 f"busy work {r['known_read_us']:.0f} us"
             )
+    if "smallest_launches" in result:
+        launched = result["smallest_launches"]
+        print(
+            f"the smallest adaptive clip in {len(launched['rows'])} starts of new processes: ratio median "
+            f"{launched['median_ratio']:.3f}, each "
+            + ", ".join(f"{r:.3f}" for r in launched["ratios"])
+            + " (A/A "
+            + ", ".join(f"{r['a_a_ratio']:.3f}" for r in launched["rows"])
+            + ")"
+        )
     if args.out is not None or not args.quick:
         out = (args.out or RESULTS.parent) / (RESULTS.name if args.device == "cpu" else "agree_cost_cuda.json")
         out.parent.mkdir(parents=True, exist_ok=True)

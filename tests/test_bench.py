@@ -234,6 +234,9 @@ def test_agree_cost_measures_both_checks_on_two_ranks(tmp_path: pathlib.Path):
     for row in data["rows"]:
         _positive_numbers({k: row[k] for k in ("with_ms", "without_ms", "ratio")}, row["case"])
     _positive_numbers(data["alone_us"], "check alone")
+    launched = data["smallest_launches"]  # the smallest adaptive clip, in processes of its own
+    assert len(launched["rows"]) == len(launched["ratios"]) == 1, launched
+    _positive_numbers({"median_ratio": launched["median_ratio"]}, "smallest adaptive clip, launched apart")
 
 
 def test_optimizer_schema_and_what_a_skipped_step_allocates(results: pathlib.Path):
