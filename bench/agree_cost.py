@@ -123,9 +123,9 @@ def _pair(call, device: torch.device, call_without=None) -> dict:
     return {"with": with_checks, "without": without}
 
 
-def _stepping(clip, device: torch.device):
-    """Calls of the adaptive ``clip(state)`` that pass back the state it last returned, as a training loop
-    does; one for each variant (each steps on its own state)."""
+def _stepping(clip, device: torch.device) -> dict:
+    """:func:`_pair` of the adaptive ``clip(state)``, each variant passing back the state its last call
+    returned, as a training loop does (each steps on a state of its own)."""
 
     def call() -> None:
         state[0] = clip(state[0]).state
@@ -134,7 +134,7 @@ def _stepping(clip, device: torch.device):
         state_without[0] = clip(state_without[0]).state
 
     state, state_without = [init_clip_state(device)], [init_clip_state(device)]
-    return call, call_without
+    return _pair(call, device, call_without)
 
 
 def eager_cases(mesh, quick: bool) -> dict[str, dict]:
@@ -158,13 +158,13 @@ def eager_cases(mesh, quick: bool) -> dict[str, dict]:
     adaptive_gpt = _stepping(lambda state: adaptive_clip_grad_norm_(gpt, mesh, state, max_norm=big), device)
 
     return {
-        f"adaptive_clip_grad_norm_, GPT-2 shapes ({gpt_name})": _pair(adaptive_gpt[0], device, adaptive_gpt[1]),
+        f"adaptive_clip_grad_norm_, GPT-2 shapes ({gpt_name})": adaptive_gpt,
         f"clip_grad_norm_, GPT-2 shapes ({gpt_name})": _pair(lambda: clip_grad_norm_(gpt, mesh, big), device),
         f"clip_grad_norm_, {n} leaves of {size}": _pair(lambda: clip_grad_norm_(params, mesh, big), device),
         f"clip_grad_norm_, {n} leaves of {size}, {n} groups": _pair(
             lambda: clip_grad_norm_(params, mesh, big, groups=groups), device
         ),
-        f"adaptive_clip_grad_norm_ with param_norms, {n} leaves of {size}": _pair(adaptive[0], device, adaptive[1]),
+        f"adaptive_clip_grad_norm_ with param_norms, {n} leaves of {size}": adaptive,
     }
 
 
