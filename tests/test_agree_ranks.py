@@ -15,6 +15,7 @@ starts with no configuration seen (``_fresh``), as a new training run does.
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -459,6 +460,18 @@ def after_the_first_call_one_all_reduce_and_nothing_else(rank: int, world_size: 
     dist.barrier()
 
 
+def the_first_sights_gather_warns_nothing(rank: int, world_size: int) -> None:
+    # It ran every rank's first call of each configuration: a deprecated collective printed a
+    # FutureWarning there on every rank (all_gather_into_tensor, deprecated in torch 2.13).
+    mesh, _stage, params = _fresh()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with CollectiveCounter() as c:
+            clip_grad_norm_(params, mesh, 1.0)
+    assert c.ops == ["c10d._allgather_base_", "_c10d_functional.all_reduce"], c.ops  # the gather did run
+    assert not [w for w in caught if issubclass(w.category, FutureWarning)], [str(w.message) for w in caught]
+
+
 def _ending_with(suffix: str) -> object:
     return lambda name: name.endswith(suffix)  # a new function object every call
 
@@ -559,6 +572,7 @@ CASES = [
     a_rank_that_passes_back_an_older_state,
     a_rank_that_remakes_the_same_state_goes_on,
     after_the_first_call_one_all_reduce_and_nothing_else,
+    the_first_sights_gather_warns_nothing,
     a_groups_function_written_in_the_loop_is_one_configuration,
     a_groups_mapping_changed_in_place_is_a_new_configuration,
     compiled_with_its_state_check_one_graph_one_all_reduce_no_host_read,
