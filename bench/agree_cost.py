@@ -233,7 +233,7 @@ def _world(mesh):
 def state_check(mesh, n_stats: int):
     """One eager state check as the clip makes it, by itself: a ClipState's entries, their place at the
     end of a statistics vector of ``n_stats`` values and back out of it, and the comparison."""
-    from ppclip_func._agree import STATE_ENTRIES, host_entries, state_entries, states_agree
+    from ppclip_func._agree import host_entries, state_entries, states_agree
 
     world, kind, device = _world(mesh), norm_kind(2.0), _device(mesh)
     state = init_clip_state(device)
@@ -247,8 +247,7 @@ def state_check(mesh, n_stats: int):
         own = host_entries(state, kind)
         entries = state_entries(state, kind, stats, own)
         reduced = torch.cat([stats, summed])  # as the clip's one cat of its statistics and the entries
-        reduced, theirs = reduced[:-STATE_ENTRIES], reduced[-STATE_ENTRIES:]
-        states_agree(theirs, entries, norm, kind, world, type(state), own)
+        states_agree(reduced, entries, norm, kind, world, type(state), own)
 
     return check
 

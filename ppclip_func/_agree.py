@@ -24,15 +24,16 @@ adds a collective to the steady state:
   them). Under ``torch.compile`` the check runs at trace time.
 * **Adaptive state**, checked every step inside the one collective
   (:func:`state_entries`, :func:`states_agree`): each rank adds an integer
-  fingerprint ``f`` of the state's bits, and its square, to the reduced
+  fingerprint ``f`` of the state's bits (the two 16-bit digits of the
+  Adler-32 checksum of its bytes), and its square, to the reduced
   vector. After a sum, ``sum(f) == W * f`` and ``sum(f**2) == W * f**2`` on
   a rank hold only if every rank's ``f`` is that rank's (the squared
   deviations from ``f`` sum to zero), so the ranks agree or all of them see
   that they do not; a ``max``/``min`` reduction carries ``f`` and ``-f``.
   Exact in float64 up to 2**21 ranks. Eagerly on the CPU, where the state
   and the reduced vector are already on the host, the fingerprint is taken
-  from the state's bytes and the decision read there (on a CPU, less than
-  half the time of the same arithmetic as tensor ops) and a disagreement
+  from the state's bytes and the decision read there (on a CPU, an eighth
+  of the time of the same arithmetic as tensor ops) and a disagreement
   raises at once; traced, or on CUDA, nothing is read on the host: a disagreement
   stops the step with ``torch._assert_async`` and, where that cannot raise
   at once (CUDA), makes the step a no-op (threshold ``inf``, ``skip``
@@ -46,10 +47,10 @@ import ctypes
 import functools
 import hashlib
 import math
-import operator
 import struct
 import threading
 import types
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -80,12 +81,12 @@ _HEAD = ("the options passed (which clip function)", "stage", "tied", "tied tall
 # of _TALLY when every tied parameter is declared on as many stages as it says.
 _TALLY = 720720  # lcm(1, ..., 16)
 
-# The state fingerprint: two digits, each a weighted sum of the state's 32-bit words modulo a prime.
-_PRIME = 65521
-_WEIGHTS = ((7919, 1), (104729, 7))
-STATE_ENTRIES = 2 * len(_WEIGHTS)
-_UNREDUCED_WORDS = 2**16  # words whose weighted sum is exact in int64 without reducing them first
-_HOST_WORDS = 4096  # the most words fingerprinted on the host (a Python sum: ~30 ns a word)
+# The state fingerprint: the Adler-32 checksum of the state's bytes, as its two 16-bit digits.
+_ADLER = 65521  # Adler-32's modulus, the largest prime below 2**16
+_DIGITS = 2
+STATE_ENTRIES = 2 * _DIGITS
+_UNREDUCED_BYTES = 2**26  # bytes whose weighted sum is exact in int64 without reducing them first
+_HOST_BYTES = 1 << 22  # the most bytes fingerprinted on the host (copied, then zlib.adler32: ~5x the tensor ops' speed)
 _ASSERTS = frozenset({"cpu", "cuda"})  # devices with a torch._assert_async kernel
 
 _REMEMBERED = 64  # configurations remembered per group and function, the latest ones
@@ -434,10 +435,11 @@ def state_entries(
 
 
 def host_entries(state: Sequence[torch.Tensor], kind: NormKind) -> list[int] | None:
-    """:func:`state_entries`' values computed on the host, as Python ints, from :func:`host_fingerprint`
-    (a ``ClipState``'s in ~4 us, where the tensor ops take ~17 us, each op a few us of dispatch); ``None``
-    where that cannot be done (then the tensor ops take it)."""
-    digits = host_fingerprint(state)
+    """:func:`state_entries`' values computed on the host, as Python ints, from :func:`host_fingerprint`'s
+    digits (a ``ClipState``'s in ~2.4 us, where the tensor ops take ~19 us, each op a few us of dispatch);
+    ``None`` where that cannot be done (then the tensor ops take it). Eager only: the clip does not call
+    it while tracing."""
+    digits = _host_digits(state)
     if digits is None:
         return None
     a, b = digits
@@ -461,24 +463,26 @@ def _buffered(values: list[int]) -> torch.Tensor:
 
 
 def state_fingerprint(state: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Two integers in ``[0, 65521)``, as int64 on ``device``, from the bits of ``state``'s tensors in order.
+    """The Adler-32 checksum of ``state``'s bytes, in order, as its two digits ``[A, B]`` (int64, each in
+    ``[0, 65521)``, on ``device``), by tensor ops: what ``zlib.adler32`` gives as ``B << 16 | A``.
 
-    Each digit is a weighted sum of the state's 32-bit words (a 2-byte or
-    1-byte element counts as one word) modulo the prime, with non-zero
-    weights that depend on the word's position. A change of one word is
-    seen by both digits unless it is a multiple of 65521 (its residue is
-    what counts); a change of several words escapes both only by a
-    coincidence of two linear sums modulo the prime. Bits are compared, so
-    the ranks' states must be equal to the bit, as they are when every rank
-    computes them with the same ops from the same reduced norm. Exact in
-    int64: each product is below 2**47, so up to 2**16 words need no
-    reduction before the sum (and more are reduced first, to below 2**32).
+    With ``d_0 .. d_{n-1}`` the bytes, ``A = 1 + sum(d_j)`` and ``B = n +
+    sum((n - j) * d_j)``, both modulo 65521. A change of one byte is seen by
+    ``A`` (and by ``B`` unless ``n - j`` is a multiple of 65521); a change
+    of several escapes both only by a coincidence of two linear sums modulo
+    the prime. Bits are compared, so the ranks' states must be equal to the
+    bit, as they are when every rank computes them with the same ops from
+    the same reduced norm. Exact in int64: up to 2**26 bytes need no
+    reduction before the sums (more are reduced first).
     """
-    words = torch.cat([w if w.device == device else w.to(device) for w in map(_words, state)])
-    if words.numel() > _UNREDUCED_WORDS:
-        words = words.remainder(_PRIME)
-    # A multiply and a sum, not a matrix product: for a few words BLAS's set-up costs ~50 us on a CPU.
-    return (_weights(words.numel(), device) * words).sum(dim=1).remainder(_PRIME)
+    data = [b if b.device == device else b.to(device) for b in map(_bytes, state)]
+    n = sum(b.numel() for b in data)
+    weights, one = _weights(n, device)
+    # One more byte, 1, weighed 1 and n: where the sums start (no op of its own).
+    terms = weights * torch.cat([*data, one])  # (2, n + 1)
+    if n > _UNREDUCED_BYTES:
+        terms = terms.remainder(_ADLER)
+    return terms.sum(dim=1).remainder(_ADLER)
 
 
 def state_poison(device: torch.device) -> torch.Tensor:
@@ -488,7 +492,7 @@ def state_poison(device: torch.device) -> torch.Tensor:
 
 
 def states_agree(
-    theirs: torch.Tensor,
+    reduced: torch.Tensor,
     entries: torch.Tensor,
     total: torch.Tensor,
     kind: NormKind,
@@ -499,30 +503,31 @@ def states_agree(
     """Stops the step unless every rank's state is this rank's; returns that as a 0-dim bool for the caller
     to guard its scaling with where the stop may come later (on CUDA, or compiled), else ``None``.
 
-    ``theirs`` is the reduced vector's last :data:`STATE_ENTRIES` values,
-    ``entries`` this rank's own (:func:`state_entries`, made from ``own``
-    where those were computed on the host, :func:`host_entries`). A NaN ``total`` lets
-    the step pass: a peer failed before its statistics (``release_peers``;
-    its own error says why; a max/min all-reduce may drop its NaN entries, the
-    norm's levels keep it) or a gradient is NaN, and the step is not taken.
-    The stop: eagerly on the CPU a :class:`StateDisagreement` raised here,
-    naming the ranks (one more gather, on this error path only, where every
-    rank is); on CUDA and compiled ``torch._assert_async`` (on CUDA a
-    device-side assert: the process must be restarted).
+    ``reduced`` is the all-reduced vector, whose last :data:`STATE_ENTRIES`
+    values are the ranks' fingerprints combined; ``entries`` this rank's own
+    (:func:`state_entries`, made from ``own`` where those were computed on
+    the host, :func:`host_entries`). A NaN ``total`` lets the step pass: a
+    peer failed before its statistics (``release_peers``; its own error says
+    why; a max/min all-reduce may drop its NaN entries, the norm's levels
+    keep it) or a gradient is NaN, and the step is not taken. The stop:
+    eagerly on the CPU a :class:`StateDisagreement` raised here, naming the
+    ranks (one more gather, on this error path only, where every rank is);
+    on CUDA and compiled ``torch._assert_async`` (on CUDA a device-side
+    assert: the process must be restarted).
     """
     assert world.mesh is not None
     # A sum adds every rank's own (the expected value is own times the world's size); a max or min, one.
-    if own is not None and theirs.is_cpu:
+    if own is not None and reduced.is_cpu:
         # Eagerly on the CPU (the host took the fingerprint) the collective has been waited for: the
         # decision is read on the host, as exact integers below 2**53. (The ranks counted from the
         # world's table: DeviceMesh.size() costs a few us on a path this short; dynamo cannot read it.)
         ranks = len(world.rank_stage) if kind.op == "sum" else 1
-        if theirs.tolist() == list(map(ranks.__mul__, own)) or math.isnan(total):
+        if reduced[-STATE_ENTRIES:].tolist() == list(map(ranks.__mul__, own)) or math.isnan(total):
             return None
-        raise StateDisagreement(f"{_state_message(state_type)} ({_state_ranks(world, own[: len(_WEIGHTS)])})")
+        raise StateDisagreement(f"{_state_message(state_type)} ({_state_ranks(world, own[:_DIGITS])})")
     message = _state_message(state_type)
     ranks = world.mesh.size() if kind.op == "sum" else 1  # an int: int64 entries stay int64 (exact)
-    agree = (theirs == entries * ranks).all() | total.isnan()
+    agree = (reduced[-STATE_ENTRIES:] == entries * ranks).all() | total.isnan()
     if agree.device.type in _ASSERTS:
         torch._assert_async(agree, message)
     return agree  # elsewhere the guard alone: the step is a no-op and skipped
@@ -548,85 +553,71 @@ def _state_ranks(world: World, digits: list[int]) -> str:
     return f"{_some(odd)} from rank {ranks[0]}"
 
 
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bits as 32-bit words (a 2-byte or 1-byte element as one word)."""
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements' bytes, in order, as a 1-D uint8 tensor."""
     flat = (t.detach() if t.requires_grad else t).reshape(-1)
     if not flat.is_contiguous():  # a strided view: its elements copied, in order
         flat = flat.contiguous()
-    if flat.dtype == torch.bool:
-        flat = flat.to(torch.uint8)
-    if flat.element_size() >= 4:
-        return flat.view(torch.int32)
-    return flat.view(torch.int16 if flat.element_size() == 2 else torch.uint8).to(torch.int32)
+    return flat.view(torch.uint8)
 
 
-_WEIGHT_CACHE: dict[tuple[int, torch.device], torch.Tensor] = {}
+_WEIGHT_CACHE: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _weights(n: int, device: torch.device) -> torch.Tensor:
-    """``(2, n)`` int64 position weights in ``[1, 65521)``, never 0, one row per digit (cached eagerly;
-    traced, made in the graph)."""
+def _weights(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Adler-32's weights for ``n`` bytes and a last one where the sums start, as int64 on ``device``:
+    ``(2, n + 1)``, ones and ``n - j`` for byte ``j``, then ``1`` and ``n``; and that last byte, ``1``, as
+    uint8 (cached eagerly; traced, made in the graph)."""
     if not torch.compiler.is_compiling() and (n, device) in _WEIGHT_CACHE:
         return _WEIGHT_CACHE[n, device]
-    i = torch.arange(n, dtype=torch.int64, device=device)
-    weights = torch.stack([(i * a + b) % (_PRIME - 1) + 1 for a, b in _WEIGHTS])
+    down = torch.arange(n + 1, 0, -1, device=device) - 1  # n .. 0
+    down[n] = n
+    weights = (torch.stack([torch.ones_like(down), down]), torch.ones(1, dtype=torch.uint8, device=device))
     if not torch.compiler.is_compiling():
         _WEIGHT_CACHE[n, device] = weights
     return weights
 
 
 def host_fingerprint(state: Sequence[torch.Tensor]) -> list[int] | None:
-    """:func:`state_fingerprint`'s digits computed on the host from the tensors' bytes, as Python ints;
-    ``None`` where that cannot be done: while tracing, or for a tensor that is not a plain contiguous CPU
-    tensor (a subclass, a CUDA tensor), or for a state of more than :data:`_HOST_WORDS` words."""
-    if torch.compiler.is_compiling():
+    """:func:`state_fingerprint`'s digits computed on the host from the tensors' bytes (``zlib.adler32``),
+    as Python ints; ``None`` where that cannot be done: while tracing, or for a tensor that is not a plain
+    contiguous CPU tensor (a subclass, a CUDA tensor), or for a state of more than :data:`_HOST_BYTES`."""
+    return None if torch.compiler.is_compiling() else _host_digits(state)
+
+
+def _host_digits(state: Sequence[torch.Tensor]) -> list[int] | None:
+    """:func:`host_fingerprint` without its check for tracing (the clip calls it eagerly only)."""
+    data = _host_bytes(state)
+    if data is None:
         return None
-    codes = []
+    check = zlib.adler32(data)
+    return [check & 0xFFFF, check >> 16]
+
+
+def _host_bytes(state: Sequence[torch.Tensor]) -> bytes | None:
+    """The bytes of ``state``'s tensors, in order, read on the host; ``None`` where :func:`host_fingerprint`
+    says (eager only: the caller does not call it while tracing)."""
+    codes = "="
     for t in state:
         code = _EXACT_SCALARS.get(t.dtype) if type(t) is torch.Tensor and t.is_cpu and t.dim() == 0 else None
         if code is None:
             break
-        codes.append(code)
-    if len(codes) == len(state):
-        # Every tensor a 0-dim one whose Python value holds its bits exactly (a ClipState's three are
-        # such): one pack of them all, a third of the time of reading each one's memory. (tolist, not
-        # item: inside the clip, where this code runs cold once a step, ~40 % less.)
-        pack, unpack = _scalar_structs(tuple(codes))
-        words = unpack(pack(*[t.tolist() for t in state]))
+        codes += code
     else:
-        words = []
-        for t in state:
-            if type(t) is not torch.Tensor or not t.is_cpu or not t.is_contiguous():
-                return None
-            size = t.element_size()
-            if len(words) + t.numel() * size // min(size, 4) > _HOST_WORDS:
-                return None
-            if t.numel():
-                # The bytes as the tensor ops read them (_words): native-order signed 32-bit words, a 2-byte
-                # element as a signed 16-bit word, a 1-byte element (bool included) unsigned.
-                raw = ctypes.string_at(t.data_ptr(), t.numel() * size)
-                words += memoryview(raw).cast(_WORD_FORMATS[min(size, 4)])
-    first, second = _HOST_WEIGHT_CACHE.get(len(words)) or _host_weights(len(words))
-    return [sum(map(operator.mul, words, first)) % _PRIME, sum(map(operator.mul, words, second)) % _PRIME]
+        # Every tensor a 0-dim one whose Python value holds its bits exactly (a ClipState's three are
+        # such): their values packed, a third of the time of reading each one's memory. (tolist, not item:
+        # inside the clip, where this code runs cold once a step, ~40 % less.)
+        return struct.pack(codes, *[t.tolist() for t in state])
+    parts, size = [], 0
+    for t in state:
+        if type(t) is not torch.Tensor or not t.is_cpu or not t.is_contiguous():
+            return None
+        size += t.numel() * t.element_size()
+        if size > _HOST_BYTES:
+            return None
+        parts.append(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()))
+    return b"".join(parts)
 
 
-_WORD_FORMATS = {4: "i", 2: "h", 1: "B"}  # by element size (larger elements: several 4-byte words)
-# dtypes whose 0-dim tensors' Python values (tolist) hold the very bits, with struct's format for them (sizes of 4
-# and 8 bytes: packed together, they are whole 32-bit words).
+# dtypes whose 0-dim tensors' Python values (tolist) hold the very bits, with struct's format for them.
 _EXACT_SCALARS = {torch.int64: "q", torch.float64: "d", torch.int32: "i"}
-
-
-@functools.cache
-def _scalar_structs(codes: tuple[str, ...]) -> tuple[Callable[..., bytes], Callable[[bytes], tuple[int, ...]]]:
-    """``pack`` of scalars of struct's ``codes``, ``unpack`` of those bytes as native-order signed 32-bit words."""
-    pack = struct.Struct("=" + "".join(codes))
-    return pack.pack, struct.Struct(f"={pack.size // 4}i").unpack
-
-
-_HOST_WEIGHT_CACHE: dict[int, list[list[int]]] = {}
-
-
-def _host_weights(n: int) -> list[list[int]]:
-    """:func:`_weights` as Python ints, made and kept in ``_HOST_WEIGHT_CACHE`` (which the caller reads first)."""
-    weights = _HOST_WEIGHT_CACHE[n] = [[(i * a + b) % (_PRIME - 1) + 1 for i in range(n)] for a, b in _WEIGHTS]
-    return weights

@@ -77,8 +77,7 @@ def included_total(measured: Measured, kind: NormKind, labels: list[str], exclud
     """
     if not excluded:
         return measured.total
-    reduced = measured.reduced
-    n = reduced.numel() // 2
+    reduced, n = measured.reduced, measured.entries
     keep = [i for i, label in enumerate(labels) if label not in excluded] + [len(labels)]
     idx = torch.tensor(keep + [n + i for i in keep], dtype=torch.int64).to(reduced.device)
     _, total = kind.decode(reduced[idx], per_group=False, n_total=len(keep))

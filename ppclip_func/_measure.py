@@ -20,7 +20,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ._agree import (
-    STATE_ENTRIES,
     Disagreement,
     carries_state,
     check_call,
@@ -68,8 +67,10 @@ class Measured:
     """A measured norm: the leaves it read, the total, each group's norm and each parameter's (if asked).
 
     ``reduced`` is the all-reduced statistics vector itself (``NormKind.encode``'s
-    layout: groups, the leaves in none, parameters; then their levels), for a
-    capability that combines entries of its own (a total over some groups).
+    layout: ``entries`` statistics, for the groups, the leaves in none and
+    the parameters; then their levels; then, with an adaptive state, its
+    fingerprint's entries), for a capability that combines entries of its
+    own (a total over some groups).
     ``agree`` (with an adaptive state, where the stop on a disagreement may
     come after the scaling: on CUDA, or compiled) is whether every rank held
     the same state; the caller makes its step a no-op where it is false.
@@ -81,6 +82,7 @@ class Measured:
     per_param: torch.Tensor | None = None
     reduced: torch.Tensor | None = None
     agree: torch.Tensor | None = None
+    entries: int = 0
 
     def norms(self, with_groups: bool) -> torch.Tensor | tuple[torch.Tensor, GroupNorms]:
         """Returns the public result: the total, and the groups' norms if asked for."""
@@ -114,13 +116,14 @@ def measure(
     fingerprint; :attr:`Measured.agree` says whether every rank held the same.
     """
     checked: list[bool] = [False]
+    traced = torch.compiler.is_compiling()
 
     def options() -> dict[str, Any]:
         return _static_options(kind.p, opts, state)
 
     def agree(world: World) -> None:
         # Traced, no key: the check runs at trace time (dynamo cannot trace an attrgetter on a dataclass).
-        key = None if torch.compiler.is_compiling() else (kind.p, type(state), *_OPTION_FIELDS(opts))
+        key = None if traced else (kind.p, type(state), *_OPTION_FIELDS(opts))
         check_call(world, key, options, opts.tied)
         checked[0] = True
 
@@ -138,28 +141,25 @@ def measure(
         # gather), then in the statistics all-reduce.
         _release(mesh, given, kind, opts, state, None if checked[0] else options())
         raise
-    n = len(labels) + 1
+    n, entries = len(labels) + 1, stats.numel() // 2
     with_state = state is not None and carries_state(world)
-    own = None
     if with_state:
-        # The state's entries computed on the host, where they can be (eagerly, from a CPU state).
-        own = host_entries(state, kind)
-        entries = state_entries(state, kind, stats, own)
-        stats = torch.cat([stats, entries])
+        # The state's fingerprint rides at the end of the vector; eagerly, from a CPU state, it is taken
+        # on the host (own: the values), else by tensor ops.
+        own = None if traced else host_entries(state, kind)
+        mine = state_entries(state, kind, stats, own)
+        stats = torch.cat([stats, mine])
     # Waited for at once, in eager mode: everything after reads it, and every op on the collective's
     # AsyncCollectiveTensor would go through its Python __torch_dispatch__ (~0.1 ms each on a CPU).
     reduced = _plain(all_reduce_statistics(stats, kind, world))
-    if with_state:
-        reduced, theirs = reduced[:-STATE_ENTRIES], reduced[-STATE_ENTRIES:]  # (Tensor.split is Python)
-    per_entry, total = kind.decode(reduced, per_group=bool(labels) or opts.params is not None, n_total=n)
-    same_state = None
-    if with_state:
-        same_state = states_agree(theirs, entries, total, kind, world, type(state), own)
+    per_group = bool(labels) or opts.params is not None
+    per_entry, total = kind.decode(reduced, per_group=per_group, n_total=n, n=entries)
+    same_state = states_agree(reduced, mine, total, kind, world, type(state), own) if with_state else None
     # Float64, as the reduced statistics: every rank holds these bits, whatever leaves it holds (a
     # stage's own dtypes would differ between stages), and a float64 model keeps a float64 norm.
     groups = {label: per_entry[i] for i, label in enumerate(labels)} if labels else {}
     per_param = per_entry[n:] if opts.params is not None else None
-    return Measured(leaves, total, groups, per_param, reduced, same_state)
+    return Measured(leaves, total, groups, per_param, reduced, same_state, entries)
 
 
 T = TypeVar("T")

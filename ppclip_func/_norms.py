@@ -101,7 +101,7 @@ class NormKind:
         return self.encode(nan, torch.full_like(nan, HAS_NAN))
 
     def decode(
-        self, reduced: torch.Tensor, per_group: bool = True, n_total: int | None = None
+        self, reduced: torch.Tensor, per_group: bool = True, n_total: int | None = None, n: int | None = None
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Returns ``(per-entry norms, total norm)`` from the all-reduced vector, in float64.
 
@@ -111,13 +111,15 @@ class NormKind:
         gets NaN; a NaN on any rank makes its entry's norm and, within the
         first ``n_total``, the total NaN. With ``per_group=False`` the first
         is ``None`` and a sum-type total costs two ops (the eager clip of
-        many small leaves feels each one).
+        many small leaves feels each one). ``n`` is the number of entries
+        (default: half the vector); values after the ``2 * n`` (the adaptive
+        state's fingerprint) are not read.
         """
-        n = reduced.numel() // 2
+        n = reduced.numel() // 2 if n is None else n
         k = n if n_total is None else n_total
         if self.op == "sum" and not per_group:
             return None, self.root(reduced[0] if k == 1 else reduced[:k].sum())
-        stats, levels = reduced[:n], reduced[n:].abs()
+        stats, levels = reduced[:n], reduced[n : 2 * n].abs()
         nan = torch.full_like(stats, math.nan)
         if self.op == "sum":  # sums carry NaN by themselves; a level sum > 0 means some rank had a leaf
             per_group = torch.where(levels > 0, self.root(stats), nan)

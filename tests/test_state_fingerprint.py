@@ -1,43 +1,41 @@
-"""The adaptive state's fingerprint (``_agree``): two digits of the state's bits, on the host or by tensor ops.
+"""The adaptive state's fingerprint (``_agree``): the Adler-32 of the state's bytes, on the host or by tensor ops.
 
 Every rank adds its state's fingerprint to the one all-reduce, and ranks
 agree only if every rank's digits are equal, so the digits must be a
 function of the bits alone, whichever way a rank computes them: eagerly on
 the host from a CPU state's bytes, or by tensor ops (a CUDA state, a traced
 step, a state too large for the host). Checked against a reference computed
-the obvious way, from each element's bytes with Python integers.
+the obvious way, Adler-32's running sums over each element's bytes with
+Python integers (RFC 1950), which is also what ``zlib.adler32`` gives.
 """
 
 from __future__ import annotations
 
-import sys
+import zlib
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ppclip_func import init_clip_state
-from ppclip_func._agree import _HOST_WORDS, host_entries, host_fingerprint, state_entries, state_fingerprint
+from ppclip_func import _agree, init_clip_state
+from ppclip_func._agree import host_entries, host_fingerprint, state_entries, state_fingerprint
 from ppclip_func._norms import norm_kind
 
-PRIME = 65521
-WEIGHTS = ((7919, 1), (104729, 7))
+ADLER = 65521
 CPU = torch.device("cpu")
 STATS = torch.zeros(3, dtype=torch.float64)  # statistics the entries join (they take its device)
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int8, torch.bool]
 
 
 def reference(state: list[torch.Tensor]) -> list[int]:
-    """Each element's bytes read as signed 32-bit words (a 2-byte element as a signed word, a 1-byte one
-    unsigned), in order; each digit the sum of word * ((i * a + b) % (PRIME - 1) + 1) modulo PRIME."""
-    words = []
-    for t in state:
-        raw = bits(t)
-        step = min(t.element_size(), 4)
-        for k in range(0, len(raw), step):
-            words.append(int.from_bytes(raw[k : k + step], sys.byteorder, signed=step > 1))
-    return [sum(w * ((i * a + b) % (PRIME - 1) + 1) for i, w in enumerate(words)) % PRIME for a, b in WEIGHTS]
+    """Adler-32 of the state's bytes, in order, as ``[A, B]``: ``A`` starts at 1 and adds each byte, ``B``
+    adds each new ``A``, both modulo 65521."""
+    a, b = 1, 0
+    for byte in b"".join(map(bits, state)):
+        a = (a + byte) % ADLER
+        b = (b + a) % ADLER
+    return [a, b]
 
 
 def bits(t: torch.Tensor) -> bytes:
@@ -68,6 +66,8 @@ states = st.lists(st.one_of(tensors, scalars), min_size=1, max_size=4)
 @given(states)
 def test_the_digits_are_the_reference_on_the_host_and_by_tensor_ops(state):
     want = reference(state)
+    check = zlib.adler32(b"".join(map(bits, state)))
+    assert want == [check & 0xFFFF, check >> 16]
     assert host_fingerprint(state) == want
     assert state_fingerprint(state, CPU).tolist() == want
 
@@ -84,7 +84,8 @@ def test_one_flipped_bit_changes_both_digits(state, data):
     bit = data.draw(st.integers(0, 8 * len(raw) - 1))
     raw[bit // 8] ^= 1 << (bit % 8)
     changed = [*flat[:k], from_bytes(bytes(raw), t.dtype).reshape(t.shape), *flat[k + 1 :]]
-    # A flip changes one word by a power of two, never a multiple of the prime: both digits move.
+    # A flip changes one byte by a power of two, never a multiple of the prime: A moves, and so does B (which
+    # weighs byte j of n by n - j, below the prime here).
     before, after = host_fingerprint(flat), host_fingerprint(changed)
     assert before[0] != after[0] and before[1] != after[1]
 
@@ -104,23 +105,29 @@ def test_a_clip_state_and_its_entries():
     "state",
     [
         pytest.param([torch.arange(12.0, dtype=torch.float64)[::2]], id="non-contiguous"),
-        pytest.param([torch.tensor(3), torch.linspace(0, 1, _HOST_WORDS + 1)], id="more words than the host takes"),
-        pytest.param([torch.randn(70_000, generator=torch.Generator().manual_seed(0))], id="words reduced first"),
+        pytest.param([torch.tensor(3), torch.linspace(0, 1, 15)], id="more bytes than the host takes"),
     ],
 )
-def test_states_the_host_leaves_to_tensor_ops_give_the_same_digits(state):
+def test_states_the_host_leaves_to_tensor_ops_give_the_same_digits(state, monkeypatch):
+    monkeypatch.setattr(_agree, "_HOST_BYTES", 64)  # (4 MiB in the library)
     assert host_fingerprint(state) is None
     want = reference(state)
     assert state_fingerprint(state, CPU).tolist() == want
     assert state_entries(state, norm_kind(2.0), STATS, None).tolist()[:2] == want
 
 
+def test_bytes_reduced_before_the_sums_give_the_same_digits(monkeypatch):
+    # Past 2**26 bytes the products are reduced first (exact in int64 either way): taken here from 64.
+    monkeypatch.setattr(_agree, "_UNREDUCED_BYTES", 64)
+    state = [torch.tensor(9), torch.randn(500, generator=torch.Generator().manual_seed(0))]
+    assert state_fingerprint(state, CPU).tolist() == reference(state) == host_fingerprint(state)
+
+
 def test_a_traced_fingerprint_is_the_hosts():
+    # Traced, the clip takes the entries by tensor ops (no host values: own is None), in one graph.
     state = init_clip_state()._replace(count=torch.tensor(5), var=torch.tensor(0.5, dtype=torch.float64))
     entries = torch.compile(
-        lambda s: state_entries(s, norm_kind(2.0), STATS, host_entries(s, norm_kind(2.0))),
-        backend="aot_eager",
-        fullgraph=True,
+        lambda s: state_entries(s, norm_kind(2.0), STATS, None), backend="aot_eager", fullgraph=True
     )
     assert (
         entries(state).tolist()
