@@ -370,7 +370,9 @@ def _as_agreed(value: Any) -> Any:
     fields = getattr(value, "_fields", None)  # a rule (a NamedTuple): its max_norm marked
     if fields is not None and "max_norm" in fields:
         i = fields.index("max_norm")
-        value = (*value[:i], "<per step>", *value[i + 1 :])
+        value = (*value[:i], "<per step>", *value[i + 1 :])  # a plain tuple
+        if all(map(_PLAIN.__contains__, map(type, value))):  # a rule of plain fields, seen in one C loop
+            return value
     return _mark_tensors(value)
 
 
