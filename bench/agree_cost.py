@@ -23,7 +23,9 @@ adaptive clip also runs "without" plus a known amount of busy work
 one-rank world has no collective, so no state check), each pinned to a core
 of its own where there are enough, one torch thread each, a barrier before
 each timed call. The checks are also timed by themselves, the state check
-interleaved with the smallest adaptive clip (its share of that clip).
+interleaved with the smallest adaptive clip (its share of that clip), and
+each of their pieces inside that clip (:func:`in_place`: where each runs
+cold, after the gradients' pass).
 
 Run: ``python -m bench.agree_cost`` (``--quick`` for a short run). Writes
 ``bench/results/agree_cost.json``. With ``--device cuda`` both ranks share
@@ -270,6 +272,46 @@ def state_check_share(mesh, quick: bool, clip, runs: int) -> dict[str, float]:
     return {"check_us": us, "clip_without_checks_ms": t.ms("clip"), "share": us / (1e3 * t.ms("clip"))}
 
 
+# The pieces of the checks on the eager CPU path, where each is called: (module, function, label).
+PIECES = (
+    ("ppclip_func._api", "agreed", "options: the public function's agreed()"),
+    ("ppclip_func._measure", "check_call", "options: check_call"),
+    ("ppclip_func._measure", "host_entries", "state: fingerprint on the host"),
+    ("ppclip_func._measure", "state_entries", "state: its entries as a tensor"),
+    ("ppclip_func._measure", "states_agree", "state: comparison after the all-reduce"),
+)
+
+
+def in_place(with_checks: Callable[[], None], runs: int) -> dict[str, float]:
+    """Microseconds a call of each of :data:`PIECES` takes inside the smallest adaptive clip (``with_checks``,
+    run ``runs`` times, a barrier before each): a timer around each call. Inside the clip each piece runs
+    cold, after the gradients' pass, at several times its cost alone (the timer adds ~0.1 us a call)."""
+    spent = {label: 0 for *_, label in PIECES}
+    saved = [(importlib.import_module(module), name) for module, name, _ in PIECES]
+    saved = [(module, name, getattr(module, name)) for module, name in saved]
+
+    def timed(fn: Callable, label: str) -> Callable:
+        def call(*args, **kwargs):
+            t0 = time.perf_counter_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[label] += time.perf_counter_ns() - t0
+
+        return call
+
+    for (module, name, fn), (*_, label) in zip(saved, PIECES, strict=True):
+        setattr(module, name, timed(fn, label))
+    try:
+        for _ in range(runs):
+            dist.barrier()
+            with_checks()
+    finally:
+        for module, name, fn in saved:
+            setattr(module, name, fn)
+    return {label: ns / 1e3 / runs for label, ns in spent.items()}
+
+
 KNOWN_US = 40.0  # the calibration: this much busy work added to a call, to see what the timing reads for it
 
 
@@ -352,6 +394,7 @@ def _rank(rank: int, world: int, quick: bool, device_type: str) -> dict | None:
     solo = alone(mesh, quick)
     smallest = next(variants for name, variants in eager.items() if name.startswith(SMALLEST))
     share = state_check_share(mesh, quick, smallest["without"], runs)
+    pieces = in_place(smallest["with"], 101 if quick else 801)
     result = {
         "machine": machine(),
         "device": torch.cuda.get_device_name() if device_type == "cuda" else "cpu",
@@ -362,6 +405,7 @@ def _rank(rank: int, world: int, quick: bool, device_type: str) -> dict | None:
         "rows": rows,
         "alone_us": solo,
         "state_check": share,
+        "in_place_us": pieces,
     }
     return result if rank == 0 else None
 
@@ -437,6 +481,8 @@ def main() -> None:
         f"state check alone (ClipState, eager): {share['check_us']:.1f} us per step, "
         f"{100 * share['share']:.2f} % of the smallest adaptive clip ({share['clip_without_checks_ms']:.3f} ms)"
     )
+    for label, us in result["in_place_us"].items():
+        print(f"in place, inside the smallest adaptive clip: {label} {us:.1f} us a call")
     for r in result["rows"]:
         print(
             f"{r['case']}: with {r['with_ms']:.3f} ms, without {r['without_ms']:.3f} ms, ratio {r['ratio']:.3f} "

@@ -234,6 +234,7 @@ def test_agree_cost_measures_both_checks_on_two_ranks(tmp_path: pathlib.Path):
     for row in data["rows"]:
         _positive_numbers({k: row[k] for k in ("with_ms", "without_ms", "ratio")}, row["case"])
     _positive_numbers(data["alone_us"], "check alone")
+    _positive_numbers(data["in_place_us"], "each piece of the checks, timed inside the clip")
     launched = data["smallest_launches"]  # the smallest adaptive clip, in processes of its own
     assert len(launched["rows"]) == len(launched["ratios"]) == 1, launched
     _positive_numbers({"median_ratio": launched["median_ratio"]}, "smallest adaptive clip, launched apart")
