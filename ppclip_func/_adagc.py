@@ -41,7 +41,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._agree import agreed, label_set
+from ._agree import RULE_STATIC, label_set
 from ._call import _check_clip_args, _grad_reader, _rewrap
 from ._exclude import check_exclude, included_params, without_excluded
 from ._measure import Measured, NormOptions, PpDim, measure, validated
@@ -328,7 +328,7 @@ def adagc_clip_grad_norm_(
     """
     rule = AdaGCRule(max_norm, relative, beta, warmup, eps)
     parameters, read_grads = _grad_reader(parameters, "adagc_clip_grad_norm_")
-    agree = agreed(rule=rule, nonfinite=nonfinite, exclude=label_set(exclude))
+    agree = (("rule", rule[RULE_STATIC]), ("nonfinite", nonfinite), ("exclude", label_set(exclude)))
     opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, index, pp_mesh, agree)
     labels, excluded, kind = validated(
         lambda: _validate(rule, state, index, nonfinite, groups, exclude, norm_type),
@@ -387,7 +387,7 @@ def adagc_clip_grad_norm(
         (tensor([0.5000, 0.5000, 0.5000, 0.5000]), tensor([1.0000], dtype=torch.float64))
     """
     rule = AdaGCRule(max_norm, relative, beta, warmup, eps)
-    agree = agreed(rule=rule, nonfinite=nonfinite, exclude=label_set(exclude))
+    agree = (("rule", rule[RULE_STATIC]), ("nonfinite", nonfinite), ("exclude", label_set(exclude)))
     opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, index, pp_mesh, agree)
     labels, excluded, kind = validated(
         lambda: _validate(rule, state, index, nonfinite, groups, exclude, norm_type),

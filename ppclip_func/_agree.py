@@ -352,27 +352,20 @@ _EMPTY_CELL = object()
 
 
 def agreed(**options: Any) -> tuple[tuple[str, Any], ...]:
-    """A caller's own static options, for :attr:`NormOptions.also_agree`.
-
-    A tensor among them (a 0-dim ``max_norm``; one inside a rule or a
-    mapping of thresholds) is a value on the device, not compared: it is
-    replaced by a mark, as comparing it on the host would read it. So is a
-    rule's ``max_norm``: the global threshold (``max_norm``, which callers
-    leave out) may follow a schedule, and a new value every step would be a
-    new configuration, and a gather, every step.
-    """
-    return tuple((name, _as_agreed(value)) for name, value in options.items())
+    """A caller's own static options, for :attr:`NormOptions.also_agree`, each :func:`marked` (for options
+    that may hold tensors, as a mapping of thresholds does: a repeated call compares them as given)."""
+    return tuple((name, marked(value)) for name, value in options.items())
 
 
-def _as_agreed(value: Any) -> Any:
-    if type(value) in _PLAIN:  # most options: nothing to look into (a few us less a call, in the clip)
-        return value
-    fields = getattr(value, "_fields", None)  # a rule (a NamedTuple): its max_norm marked
-    if fields is not None and "max_norm" in fields:
-        i = fields.index("max_norm")
-        value = (*value[:i], "<per step>", *value[i + 1 :])  # a plain tuple
-        if all(map(_PLAIN.__contains__, map(type, value))):  # a rule of plain fields, seen in one C loop
-            return value
+# A rule's fields after its first, max_norm: what every rank must pass alike. The global threshold may
+# follow a schedule, and a new value every step would be a new configuration, and a gather, every step.
+RULE_STATIC = slice(1, None)
+
+
+def marked(value: Any) -> Any:
+    """An option's value as the check hashes it and compares it on a miss: a tensor (one among a rule's
+    fields or in a mapping of thresholds) is a value on the device, not compared: it is replaced by a mark,
+    as comparing it on the host would read it."""
     return _mark_tensors(value)
 
 

@@ -11,7 +11,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._adaptive import ClipState, ClipStats, Rule, check_adaptive_args
-from ._agree import agreed, label_set
+from ._agree import RULE_STATIC, label_set
 from ._call import _adapt, _check_clip_args, _grad_reader, _rewrap
 from ._exclude import check_exclude, without_excluded
 from ._measure import GroupNorms, NormOptions, PpDim, measure, validated
@@ -307,7 +307,7 @@ def clip_grad_norm(
         >>> clipped["w"], clipped["b"]
         (tensor([0.5000, 0.5000, 0.5000, 0.5000]), None)
     """
-    agree = agreed(eps=eps, nonfinite=nonfinite)
+    agree = (("eps", eps), ("nonfinite", nonfinite))
     opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, pp_mesh=pp_mesh, also_agree=agree)
     kind = validated(lambda: _clip_kind(max_norm, eps, nonfinite, norm_type), mesh, grads, norm_type, opts)
     measured = measure(lambda: grads, grads, "gradient", mesh, kind, opts)
@@ -413,7 +413,7 @@ def clip_grad_norm_(
         tensor([[0.6000, 0.8000]])
     """
     parameters, read_grads = _grad_reader(parameters, "clip_grad_norm_")
-    agree = agreed(eps=eps, nonfinite=nonfinite)
+    agree = (("eps", eps), ("nonfinite", nonfinite))
     opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, pp_mesh=pp_mesh, also_agree=agree)
     kind = validated(lambda: _clip_kind(max_norm, eps, nonfinite, norm_type), mesh, parameters, norm_type, opts)
     measured = measure(read_grads, parameters, "parameter grad", mesh, kind, opts)
@@ -545,7 +545,7 @@ def adaptive_clip_grad_norm_(
     """
     rule = Rule(max_norm, z, alpha, warmup, skip_z, mode, clip_option, clip_factor, zscore_eps, freeze_on_spike)
     parameters, read_grads = _grad_reader(parameters, "adaptive_clip_grad_norm_")
-    agree = agreed(rule=rule, eps=eps, nonfinite=nonfinite, exclude=label_set(exclude))
+    agree = (("rule", rule[RULE_STATIC]), ("eps", eps), ("nonfinite", nonfinite), ("exclude", label_set(exclude)))
     opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, param_norms, pp_mesh, agree)
     checks = (rule, eps, nonfinite, state, groups, exclude, norm_type)
     labels, excluded, kind = validated(lambda: _adaptive_checks(*checks), mesh, parameters, norm_type, opts, state)
@@ -607,7 +607,7 @@ def adaptive_clip_grad_norm(
         (tensor([0.5000, 0.5000, 0.5000, 0.5000]), 6.0, 1.0)
     """
     rule = Rule(max_norm, z, alpha, warmup, skip_z, mode, clip_option, clip_factor, zscore_eps, freeze_on_spike)
-    agree = agreed(rule=rule, eps=eps, nonfinite=nonfinite, exclude=label_set(exclude))
+    agree = (("rule", rule[RULE_STATIC]), ("eps", eps), ("nonfinite", nonfinite), ("exclude", label_set(exclude)))
     opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, param_norms, pp_mesh, agree)
     checks = (rule, eps, nonfinite, state, groups, exclude, norm_type)
     labels, excluded, kind = validated(lambda: _adaptive_checks(*checks), mesh, grads, norm_type, opts, state)

@@ -24,6 +24,7 @@ from ._agree import (
     carries_state,
     check_call,
     host_entries,
+    marked,
     state_entries,
     states_agree,
 )
@@ -54,7 +55,8 @@ class NormOptions:
     params: ParamIndex | None = None
     pp_mesh: DeviceMesh | None = None
     # The caller's other static options, ``(name, value)``, that every rank must pass alike
-    # (thresholds, ``exclude``, the adaptive rule): checked with these (``_agree``).
+    # (thresholds, ``exclude``, the adaptive rule's static fields): checked with these (``_agree``). A
+    # repeated call compares them as given; hashed or compared on a miss, each is ``_agree.marked``.
     also_agree: tuple[tuple[str, Any], ...] = ()
 
 
@@ -239,7 +241,7 @@ def _static_options(p: Any, opts: NormOptions, state: Any) -> dict[str, Any]:
         if isinstance(opts.pp_mesh, DeviceMesh)
         else opts.pp_mesh,
         "the adaptive state's type": type(state).__name__ if state is not None else None,
-        **dict(opts.also_agree),
+        **{name: marked(value) for name, value in opts.also_agree},
     }
 
 

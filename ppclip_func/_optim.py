@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from ._adaptive import ClipState, ClipStats, Rule, check_adaptive_args
-from ._agree import agreed
+from ._agree import RULE_STATIC
 from ._call import _adapt, _check_clip_args, _grad_reader
 from ._measure import GroupNorms, NormOptions, PpDim, measure, validated
 from ._norms import NormKind, norm_kind
@@ -234,7 +234,7 @@ def clip_grad_norm_in_optimizer(
     """
     optimizers = optimizers_of(optimizer)
     parameters, read_grads = _grad_reader(parameters, "clip_grad_norm_in_optimizer")
-    agree = agreed(eps=eps, nonfinite=nonfinite)
+    agree = (("eps", eps), ("nonfinite", nonfinite))
     opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, pp_mesh=pp_mesh, also_agree=agree)
 
     def validate() -> NormKind:
@@ -323,7 +323,7 @@ def adaptive_clip_grad_norm_in_optimizer(
     rule = Rule(max_norm, z, alpha, warmup, skip_z, mode, clip_option, clip_factor, zscore_eps, freeze_on_spike)
     optimizers = optimizers_of(optimizer)
     parameters, read_grads = _grad_reader(parameters, "adaptive_clip_grad_norm_in_optimizer")
-    agree = agreed(rule=rule, eps=eps)
+    agree = (("rule", rule[RULE_STATIC]), ("eps", eps))
     opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, param_norms, pp_mesh, agree)
 
     def validate() -> NormKind:

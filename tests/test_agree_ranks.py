@@ -452,11 +452,14 @@ def after_the_first_call_one_all_reduce_and_nothing_else(rank: int, world_size: 
             call()
         assert first.ops == ["c10d._allgather_base_", "_c10d_functional.all_reduce"], (what, first.ops)
         assert second.ops == ["_c10d_functional.all_reduce"], (what, second.ops)
-    # A new max_norm every step (a schedule) is not a new configuration: no gather.
-    for max_norm in (0.5, 0.25, 0.125):
+    # A new max_norm every step (a schedule) is not a new configuration: no gather, for the fixed
+    # threshold and for an adaptive rule's cap, a float or a tensor.
+    state = init_clip_state()
+    for max_norm in (0.5, 0.25, 0.125, torch.tensor(0.1), torch.tensor(0.05)):
         with CollectiveCounter() as c:
             clip_grad_norm_(params, mesh, max_norm, groups=groups)
-        assert c.ops == ["_c10d_functional.all_reduce"], c.ops
+            state = adaptive_clip_grad_norm_(params, mesh, state, max_norm=max_norm, groups=groups).state
+        assert c.ops == ["_c10d_functional.all_reduce"] * 2, c.ops
     dist.barrier()
 
 
