@@ -453,13 +453,16 @@ def after_the_first_call_one_all_reduce_and_nothing_else(rank: int, world_size: 
         assert first.ops == ["c10d._allgather_base_", "_c10d_functional.all_reduce"], (what, first.ops)
         assert second.ops == ["_c10d_functional.all_reduce"], (what, second.ops)
     # A new max_norm every step (a schedule) is not a new configuration: no gather, for the fixed
-    # threshold and for an adaptive rule's cap, a float or a tensor.
-    state = init_clip_state()
+    # threshold and for an adaptive rule's cap (ZClip's and AdaGC's), a float or a tensor.
+    index = param_norm_index(params, mesh)
+    state, adagc = init_clip_state(), init_adagc_state(index)
+    adagc = adagc_clip_grad_norm_(params, mesh, adagc, index, max_norm=1.0).state  # its first sight: a gather
     for max_norm in (0.5, 0.25, 0.125, torch.tensor(0.1), torch.tensor(0.05)):
         with CollectiveCounter() as c:
             clip_grad_norm_(params, mesh, max_norm, groups=groups)
             state = adaptive_clip_grad_norm_(params, mesh, state, max_norm=max_norm, groups=groups).state
-        assert c.ops == ["_c10d_functional.all_reduce"] * 2, c.ops
+            adagc = adagc_clip_grad_norm_(params, mesh, adagc, index, max_norm=max_norm).state
+        assert c.ops == ["_c10d_functional.all_reduce"] * 3, c.ops
     dist.barrier()
 
 
