@@ -362,13 +362,6 @@ def agreed(**options: Any) -> tuple[tuple[str, Any], ...]:
 RULE_STATIC = slice(1, None)
 
 
-def marked(value: Any) -> Any:
-    """An option's value as the check hashes it and compares it on a miss: a tensor (one among a rule's
-    fields or in a mapping of thresholds) is a value on the device, not compared: it is replaced by a mark,
-    as comparing it on the host would read it."""
-    return _mark_tensors(value)
-
-
 def label_set(labels: Any) -> Any:
     """``exclude=``'s labels as a set (a list and a set of the same labels are one option), or as given."""
     return frozenset(labels) if isinstance(labels, (list, tuple, set, frozenset)) else labels
@@ -377,15 +370,18 @@ def label_set(labels: Any) -> Any:
 _PLAIN = frozenset({bool, int, float, str, type(None), frozenset})  # option types holding no tensor
 
 
-def _mark_tensors(value: Any) -> Any:
+def marked(value: Any) -> Any:
+    """An option's value as the check hashes it and compares it on a miss: a tensor (one among a rule's
+    fields or in a mapping of thresholds) is a value on the device, not compared: it is replaced by a mark,
+    as comparing it on the host would read it."""
     if type(value) in _PLAIN:
         return value
     if isinstance(value, torch.Tensor):
         return "<tensor>"
     if isinstance(value, tuple):
-        return tuple(map(_mark_tensors, value))
+        return tuple(map(marked, value))
     if isinstance(value, Mapping):
-        return {k: _mark_tensors(v) for k, v in value.items()}
+        return {k: marked(v) for k, v in value.items()}
     return value
 
 
