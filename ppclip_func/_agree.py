@@ -603,10 +603,10 @@ def _host_bytes(state: Sequence[torch.Tensor]) -> bytes | None:
     for t in state:
         if type(t) is not torch.Tensor or not t.is_cpu or not t.is_contiguous():
             return None
-        size += t.numel() * t.element_size()
+        size += t.nbytes
         if size > _HOST_BYTES:
             return None
-        parts.append(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()))
+        parts.append(ctypes.string_at(t.data_ptr(), t.nbytes))
     return b"".join(parts)
 
 
