@@ -430,7 +430,7 @@ def host_entries(state: Sequence[torch.Tensor], kind: NormKind) -> list[int] | N
     digits (a ``ClipState``'s in ~2.4 us, where the tensor ops take ~19 us, each op a few us of dispatch);
     ``None`` where that cannot be done (then the tensor ops take it). Eager only: the clip does not call
     it while tracing."""
-    digits = _host_digits(state)
+    digits = host_fingerprint(state)
     if digits is None:
         return None
     a, b = digits
@@ -571,13 +571,9 @@ def _weights(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 def host_fingerprint(state: Sequence[torch.Tensor]) -> list[int] | None:
     """:func:`state_fingerprint`'s digits computed on the host from the tensors' bytes (``zlib.adler32``),
-    as Python ints; ``None`` where that cannot be done: while tracing, or for a tensor that is not a plain
-    contiguous CPU tensor (a subclass, a CUDA tensor), or for a state of more than :data:`_HOST_BYTES`."""
-    return None if torch.compiler.is_compiling() else _host_digits(state)
-
-
-def _host_digits(state: Sequence[torch.Tensor]) -> list[int] | None:
-    """:func:`host_fingerprint` without its check for tracing (the clip calls it eagerly only)."""
+    as Python ints; ``None`` where that cannot be done: for a tensor that is not a plain contiguous CPU
+    tensor (a subclass, a CUDA tensor), or for a state of more than :data:`_HOST_BYTES`. Eager only: the
+    clip does not call it while tracing."""
     data = _host_bytes(state)
     if data is None:
         return None
@@ -587,7 +583,7 @@ def _host_digits(state: Sequence[torch.Tensor]) -> list[int] | None:
 
 def _host_bytes(state: Sequence[torch.Tensor]) -> bytes | None:
     """The bytes of ``state``'s tensors, in order, read on the host; ``None`` where :func:`host_fingerprint`
-    says (eager only: the caller does not call it while tracing)."""
+    says."""
     codes = "="
     for t in state:
         code = _EXACT_SCALARS.get(t.dtype) if type(t) is torch.Tensor and t.is_cpu and t.dim() == 0 else None
