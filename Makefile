@@ -15,7 +15,18 @@ STAMP := $(VENV)/.installed-$(VERSION)-torch-$(TORCH)
 BENCH_STAMP := $(STAMP)-bench
 LINTED := ppclip_func tests bench demo
 
-.PHONY: demo demo-spike test test-quick test-torch-2.14 test-pythons lint bench clean
+# Every torch release the suite is run on (docs/versions.md). The first is the oldest supported,
+# the lower bound of pyproject.toml's requirement; there is no upper bound.
+TORCH_RELEASES := 2.11.0 2.12.1 2.13.0 2.14.1
+TORCH_OLDEST := $(firstword $(TORCH_RELEASES))
+# The tests that start real gloo ranks, fake process groups or compiled collectives: where torch's
+# distributed internals move between releases. `make test-oldest` runs them on TORCH_OLDEST in CI.
+DIST_TESTS := tests/test_agree_ranks.py tests/test_distributed_small.py tests/test_layouts.py \
+	tests/test_adagc_ranks.py tests/test_param_norms_ranks.py tests/test_optimizer_handoff_ranks.py \
+	tests/test_compile_fake_pg.py tests/test_pipeline_mesh.py tests/test_process_groups.py \
+	tests/test_torch_versions.py
+
+.PHONY: demo demo-spike test test-quick test-dist test-torch test-torch-all test-oldest test-pythons lint bench clean
 
 # torchtitan 0.3.0 is a test dependency (tests/test_torchtitan.py runs its own meshes, models and
 # parallelisms), installed without its dependencies (datasets, wandb, torchdata, ...): the parts
@@ -64,10 +75,30 @@ test: $(STAMP)
 test-quick: $(STAMP)
 	$(PY) -m pytest -m "not slow"
 
-# The whole suite on the newest torch the package allows, in a venv of its own. Not part of CI:
-# PyPI's torch 2.14.1 wheel brings the CUDA libraries (about 5.5 GB installed).
-test-torch-2.14:
-	$(MAKE) test VENV=.venv-torch-2.14 TORCH=2.14.1
+# The whole suite on one torch release, in a venv of its own made the first time and reused
+# (`make test-torch TORCH=2.11.0`). PyPI's torch wheels for Linux x86_64 are CUDA builds, about
+# 5 GB installed each: downloaded once per venv, not per run.
+test-torch:
+	$(MAKE) test VENV=.venv-torch-$(TORCH) TORCH=$(TORCH)
+
+# The whole suite on every release of TORCH_RELEASES, one after the other; a summary at the end.
+test-torch-all:
+	@passed=; failed=; \
+	for t in $(TORCH_RELEASES); do \
+		echo "=== torch $$t"; \
+		if $(MAKE) test-torch TORCH=$$t; then passed="$$passed $$t"; else failed="$$failed $$t"; fi; \
+	done; \
+	echo "make test passed on torch:$${passed:- none}; failed on:$${failed:- none}"; \
+	[ -z "$$failed" ]
+
+# CI's second run: the distributed tests (slow ones left out) on the oldest supported torch, so a
+# call that only newer releases have cannot land unseen.
+test-oldest:
+	$(MAKE) test-dist VENV=.venv-torch-$(TORCH_OLDEST) TORCH=$(TORCH_OLDEST)
+
+# The distributed tests alone, slow ones left out, on the venv's torch.
+test-dist: $(STAMP)
+	$(PY) -m pytest -m "not slow" $(DIST_TESTS)
 
 # The quick tests on each Python from 3.10 to 3.13 this machine has (on PATH as python3.X, or
 # installed by pyenv), each in a venv of its own (.venv-py3.X, made the first time: torch is

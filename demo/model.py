@@ -246,4 +246,5 @@ def random_batch(cfg: ModelConfig, dp_rank: int, size: int = 4, seed: int = 0) -
     """Uniformly random tokens and next-token labels for one data-parallel rank (the same on its TP/PP peers)."""
     g = torch.Generator().manual_seed(1000 * seed + dp_rank)
     tokens = torch.randint(0, cfg.vocab, (size, cfg.seq_len + 1), generator=g)
-    return tokens[:, :-1], tokens[:, 1:]
+    # Contiguous copies: torch 2.11's pipeline stages check an input's strides against a contiguous one's.
+    return tokens[:, :-1].clone(), tokens[:, 1:].clone()

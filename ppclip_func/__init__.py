@@ -19,6 +19,7 @@ from ._group_clip import clip_grad_norm_by_group, clip_grad_norm_by_group_
 from ._optim import adaptive_clip_grad_norm_in_optimizer, clip_grad_norm_in_optimizer
 from ._params import ParamIndex, param_norm_index
 from ._stateful import AdaGCStateful, ClipStateful
+from ._torch import UnsupportedTorchError, UntestedTorchWarning, warn_if_untested
 
 __all__ = [
     # Measure, apply, or both (pure).
@@ -52,6 +53,11 @@ __all__ = [
     # The adaptive state in a checkpoint (torch.distributed.checkpoint, torchtitan).
     "ClipStateful",
     "AdaGCStateful",
+    # A torch release without an internal the clip needs (raised at its first call); one newer than tested.
+    "UnsupportedTorchError",
+    "UntestedTorchWarning",
 ]
+
+warn_if_untested()
 
 __version__ = "0.2.0.dev0"

@@ -57,6 +57,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import _torch
 from ._layout import World, device_of, own_caches, per_group_cache
 from ._norms import NormKind
 
@@ -196,7 +197,7 @@ def _check(
     row = [_hash(names), _hash(rank_stage.get(rank)), _hash(tied), tally, len(decl)]
     row += [_hash(v) for v in options] + [0] * (_MAX_OPTIONS - len(options))
     table = _all_gather_rows(group_name, row, device_type)
-    if problems := _problems(table, names, dist.get_process_group_ranks(_group(group_name)), rank_stage):
+    if problems := _problems(table, names, dist.get_process_group_ranks(_torch.resolve_group(group_name)), rank_stage):
         raise Disagreement(f"ranks disagree on {'; '.join(problems)}: {FIX}")
 
 
@@ -236,19 +237,13 @@ def _problems(
 
 def _all_gather_rows(group_name: str, row: list[int], device_type: str) -> list[list[int]]:
     """Every rank's ``row``, in group rank order, on the device the world mesh's backend uses."""
-    group = _group(group_name)
+    group = _torch.resolve_group(group_name)
     size = dist.get_world_size(group)
     device = device_of(device_type)
     mine = torch.tensor(row, dtype=torch.int64, device=device)
     table = torch.empty(size * len(row), dtype=torch.int64, device=device)
-    dist.all_gather_single(table, mine, group=group)  # (all_gather_into_tensor, deprecated in torch 2.13)
+    _torch.all_gather_into(table, mine, group)
     return table.view(size, -1).tolist()
-
-
-def _group(group_name: str) -> dist.ProcessGroup:
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(group_name)
 
 
 def _some(ranks: list[int]) -> str:
@@ -396,7 +391,7 @@ def _moves_data(group_name: str) -> bool:
     own_caches()
     moves = _MOVES_DATA.get(group_name)
     if moves is None:  # resolving the group and its backend costs ~15 us a call: once per group
-        moves = _MOVES_DATA[group_name] = str(dist.get_backend(_group(group_name))) != "fake"
+        moves = _MOVES_DATA[group_name] = str(dist.get_backend(_torch.resolve_group(group_name))) != "fake"
     return moves
 
 
@@ -539,7 +534,7 @@ def _state_ranks(world: World, digits: list[int]) -> str:
     """Which ranks' state differs from the first rank's: one gather, made by every rank (all of them are here)."""
     assert world.group_name is not None and world.mesh is not None
     table = _all_gather_rows(world.group_name, digits, world.mesh.device_type)
-    ranks = dist.get_process_group_ranks(_group(world.group_name))
+    ranks = dist.get_process_group_ranks(_torch.resolve_group(world.group_name))
     odd = [r for r, row in zip(ranks, table) if row != table[0]]
     return f"{_some(odd)} from rank {ranks[0]}"
 

@@ -38,6 +38,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
+from . import _torch
+
 __all__: list[str] = []
 
 
@@ -176,7 +178,7 @@ def resolve_world(mesh: DeviceMesh | None, stages: Stages, leaf_meshes: Sequence
             (see :func:`_group_name`).
     """
     if mesh is None and isinstance(stages, DeviceMesh):
-        mesh = stages._get_root_mesh()
+        mesh = _torch.root_mesh(stages)
     if torch.compiler.is_compiling():
         # Traced once; the caches are Python dicts keyed by meshes, which dynamo would guard on.
         if mesh is None:
@@ -287,13 +289,10 @@ def stage_table(pp_mesh: DeviceMesh) -> dict[int, tuple[int, ...]]:
     stage.
 
     Raises:
-        ValueError: ``pp_mesh`` has no layout (a torch without DeviceMesh
-            layouts), or its copies do not tile the root (a rank in two stages).
+        UnsupportedTorchError: This torch's DeviceMesh keeps no layout of its root.
+        ValueError: The copies of ``pp_mesh`` do not tile the root (a rank in two stages).
     """
-    layout, rank_map = getattr(pp_mesh, "_layout", None), getattr(pp_mesh, "_rank_map", None)
-    if layout is None or rank_map is None:
-        raise ValueError(f"pp_mesh {pp_mesh} does not carry the layout of its root mesh (torch DeviceMesh >= 2.9)")
-    copies = layout.remap_to_tensor(rank_map).reshape(-1, pp_mesh.size()).tolist()
+    copies = _torch.layout_copies(pp_mesh)
     shape = tuple(pp_mesh.shape)
     stage_of: dict[int, tuple[int, ...]] = {}
     for copy in copies:
@@ -340,7 +339,7 @@ def _group_name(mesh: DeviceMesh) -> str | None:
     if mesh.size() == dist.get_world_size():
         return dist.group.WORLD.group_name
     ranks = sorted(_mesh_ranks(mesh))
-    for flat in mesh._get_root_mesh()._flatten_mapping.values():
+    for flat in _torch.flattened_meshes(_torch.root_mesh(mesh)):
         if sorted(_mesh_ranks(flat)) == ranks:
             return flat.get_group().group_name
     names = mesh.mesh_dim_names
@@ -362,6 +361,12 @@ def _mesh_ranks(mesh: DeviceMesh) -> list[int]:
     return _MESH_RANKS[mesh]
 
 
+@torch.compiler.assume_constant_result
+def mesh_shape(mesh: DeviceMesh) -> tuple[int, ...]:
+    """``tuple(mesh.shape)``; under torch.compile read at trace time (dynamo in torch < 2.13 cannot trace it)."""
+    return tuple(mesh.shape)
+
+
 def count_copies(world: World, leaf: torch.Tensor) -> int:
     """Returns how many ranks of the world hold each element of ``leaf``.
 
@@ -372,11 +377,11 @@ def count_copies(world: World, leaf: torch.Tensor) -> int:
         return world.stage_size
     mesh, placements = leaf.device_mesh, tuple(leaf.placements)
     if torch.compiler.is_compiling():
-        return replica_count(world, _mesh_ranks(mesh), tuple(mesh.shape), placements)
+        return replica_count(world, _mesh_ranks(mesh), mesh_shape(mesh), placements)
     key = (id(world), mesh, placements)
     n = _COPIES.get(key)
     if n is None:
-        n = _COPIES[key] = replica_count(world, _mesh_ranks(mesh), tuple(mesh.shape), placements)
+        n = _COPIES[key] = replica_count(world, _mesh_ranks(mesh), mesh_shape(mesh), placements)
     return n
 
 

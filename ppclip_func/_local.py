@@ -316,7 +316,8 @@ def _flat64(pieces: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat(pieces).to(STAT_DTYPE)
     by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = defaultdict(lambda: ([], []))
     for p in pieces:
-        by_dtype[p.dtype][p.dim() != 0].append(p)
+        scalars, vectors = by_dtype[p.dtype]
+        (vectors if p.dim() else scalars).append(p)
     parts = []
     for scalars, vectors in by_dtype.values():
         if scalars:

@@ -28,7 +28,7 @@ from ._agree import (
     state_entries,
     states_agree,
 )
-from ._layout import World, count_copies, pipeline_stages, resolve_world
+from ._layout import World, count_copies, mesh_shape, pipeline_stages, resolve_world
 from ._local import STAT_DTYPE, leaf_statistics, local_statistics
 from ._norms import ABSENT, HAS_ELEMENT, HAS_LEAF, NormKind, norm_kind
 from ._params import ParamIndex, leaf_slots
@@ -237,7 +237,7 @@ def _static_options(p: Any, opts: NormOptions, state: Any) -> dict[str, Any]:
         "overflow_safe": opts.overflow_safe,
         "param_norms": opts.params.names if isinstance(opts.params, ParamIndex) else opts.params,
         "pp_dim": opts.pp_dim,
-        "pp_mesh": (opts.pp_mesh.mesh_dim_names, tuple(opts.pp_mesh.shape))
+        "pp_mesh": (opts.pp_mesh.mesh_dim_names, mesh_shape(opts.pp_mesh))
         if isinstance(opts.pp_mesh, DeviceMesh)
         else opts.pp_mesh,
         "the adaptive state's type": type(state).__name__ if state is not None else None,

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from . import _torch
 from ._layout import pipeline_stages, resolve_world
 from ._tree import flatten_grads
 
@@ -120,7 +121,7 @@ def param_norm_index(
     if world.group_name is None:
         gathered = [mine]
     else:
-        group = dist.distributed_c10d._resolve_process_group(world.group_name)
+        group = _torch.resolve_group(world.group_name)
         gathered = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, mine, group=group)
     slot: dict[str, int] = {}

@@ -7,6 +7,8 @@ from collections.abc import Callable
 
 import torch
 
+from . import _torch
+
 __all__: list[str] = []
 
 NONFINITE_POLICIES = ("propagate", "zero", "error", "abort")
@@ -205,9 +207,9 @@ def _by_device_and_dtype(
         if len({t.dtype for t in tensors}) == 1:
             # The common case. Callers pass the leaves of one rank, on one device (flatten_grads checks).
             return {(tensors[0].device, tensors[0].dtype): (tensors, list(range(len(tensors))))}
-        # torch's C++ grouping (what its own clip uses): no Python work per leaf.
-        grouped = torch._C._group_tensors_by_device_and_dtype([tensors], True)
-        return {key: (lists[0], idx) for key, (lists, idx) in grouped.items()}
+        grouped = _torch.group_natively(tensors)
+        if grouped is not None:
+            return grouped
     buckets: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]] = defaultdict(
         lambda: ([], [])
     )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from ppclip_func import (
     ClipState,
+    UnsupportedTorchError,
     _agree,
     adagc_clip_grad_norm_,
     adaptive_clip_grad_norm,
@@ -478,6 +480,35 @@ def the_first_sights_gather_warns_nothing(rank: int, world_size: int) -> None:
     assert not [w for w in caught if issubclass(w.category, FutureWarning)], [str(w.message) for w in caught]
 
 
+def a_torch_without_all_gather_single_gathers_the_older_way(rank: int, world_size: int) -> None:
+    # torch < 2.13 has no all_gather_single: the first sight gathers with all_gather_into_tensor,
+    # and a disagreement is still seen by every rank.
+    with mock.patch.object(dist, "all_gather_single", None, create=True):
+        mesh, _stage, params = _fresh()
+        with CollectiveCounter() as c:
+            clip_grad_norm_(params, mesh, 1.0)
+        assert c.ops == ["c10d._allgather_base_", "_c10d_functional.all_reduce"], c.ops
+        _fresh()
+        norm_type = 1.0 if rank == 3 else 2.0
+        _raises_everywhere(
+            lambda: clip_grad_norm_(params, mesh, 1.0, norm_type), params, ValueError, "norm_type", "rank 3 differs"
+        )
+    _in_step(mesh)
+
+
+def a_torch_without_either_gather_raises_the_same_everywhere(rank: int, world_size: int) -> None:
+    mesh, _stage, params = _fresh()
+    before = {n: p.grad.clone() for n, p in params.items()}
+    with (
+        mock.patch.object(dist, "all_gather_single", None, create=True),
+        mock.patch.object(dist, "all_gather_into_tensor", None),
+        pytest.raises(UnsupportedTorchError, match="all_gather_single or all_gather_into_tensor"),
+    ):
+        clip_grad_norm_(params, mesh, 1.0)
+    assert all(torch.equal(p.grad, before[n]) for n, p in params.items())
+    _in_step(mesh)
+
+
 def _ending_with(suffix: str) -> object:
     return lambda name: name.endswith(suffix)  # a new function object every call
 
@@ -579,6 +610,8 @@ CASES = [
     a_rank_that_remakes_the_same_state_goes_on,
     after_the_first_call_one_all_reduce_and_nothing_else,
     the_first_sights_gather_warns_nothing,
+    a_torch_without_all_gather_single_gathers_the_older_way,
+    a_torch_without_either_gather_raises_the_same_everywhere,
     a_groups_function_written_in_the_loop_is_one_configuration,
     a_groups_mapping_changed_in_place_is_a_new_configuration,
     compiled_with_its_state_check_one_graph_one_all_reduce_no_host_read,
