@@ -137,7 +137,8 @@ def _build(case: str, world: int, cfg: dict):
         return mesh, stage, list(model.parameters())
 
     mesh = init_device_mesh("cpu", (shape["pp"], shape["dp_shard"]), mesh_dim_names=("pp", "dp_shard"))
-    experts_mesh = mesh._unflatten("dp_shard", (shape["dp_shard_mod_ep"], EP), ("dp_shard_mod_ep", "ep"))
+    # By index: torch 2.11's _unflatten refuses a dim given by its name.
+    experts_mesh = mesh._unflatten(1, (shape["dp_shard_mod_ep"], EP), ("dp_shard_mod_ep", "ep"))
     stage = mesh.get_coordinate()[0]
     mcfg = dataclasses.replace(mcfg, moe_layers=tuple(range(1, cfg["layers"], 2)), n_experts=cfg["experts"])
     model = split_stage(build_model(mcfg, seed=0), stage, shape["pp"])
