@@ -177,16 +177,18 @@ def resolve_world(mesh: DeviceMesh | None, stages: Stages, leaf_meshes: Sequence
             smaller than the process group has no process group of its own
             (see :func:`_group_name`).
     """
-    if mesh is None and isinstance(stages, DeviceMesh):
-        mesh = _torch.root_mesh(stages)
     if torch.compiler.is_compiling():
         # Traced once; the caches are Python dicts keyed by meshes, which dynamo would guard on.
+        if mesh is None and isinstance(stages, DeviceMesh):
+            return _make_world(None, stages, True)  # the root found there, at trace time (see _make_world)
         if mesh is None:
             if not leaf_meshes:
                 return World(mesh=None, stage_size=1, rank_stage={}, group_name=None)
             return _make_world(_largest_nesting(leaf_meshes), stages, False)
         return _make_world(mesh, stages, True)
     own_caches()
+    if mesh is None and isinstance(stages, DeviceMesh):
+        mesh = _torch.root_mesh(stages)
     if mesh is None:
         if not leaf_meshes:
             return _NO_WORLD
@@ -220,7 +222,11 @@ def _largest_nesting(leaf_meshes: Sequence[DeviceMesh]) -> DeviceMesh:
 # as data-dependent reads of a tensor; these read static mesh facts only, so they
 # run eagerly at trace time and their results enter the graph as constants.
 @torch.compiler.assume_constant_result
-def _make_world(mesh: DeviceMesh, stages: Stages, strict: bool) -> World:
+def _make_world(mesh: DeviceMesh | None, stages: Stages, strict: bool) -> World:
+    # mesh=None: the root of the pipeline mesh ``stages``. Found here, eagerly at trace time: dynamo in
+    # torch 2.11 cannot trace DeviceMesh._get_root_mesh(), and in 2.13 cannot return a mesh from this kind of call.
+    if mesh is None:
+        mesh = _torch.root_mesh(stages)
     if mesh.get_coordinate() is None:
         raise ValueError(f"this rank ({dist.get_rank()}) is not part of the mesh {mesh}")
     group = _group_name(mesh)

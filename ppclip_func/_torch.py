@@ -122,11 +122,10 @@ def resolve_group(group_name: str) -> dist.ProcessGroup:
     return resolve(group_name)
 
 
-@torch.compiler.assume_constant_result
 def root_mesh(mesh: Any) -> Any:
     """The mesh ``mesh`` was sliced, flattened or unflattened from (itself if it is a root).
 
-    Under torch.compile it runs at trace time: dynamo in torch < 2.13 cannot trace the method.
+    Not traceable by dynamo in torch 2.11: call it where it runs eagerly (at trace time).
     """
     return _need(mesh, "_get_root_mesh", "DeviceMesh._get_root_mesh")()
 
