@@ -43,7 +43,6 @@ from tests._reference import assert_close_rel, reference_coefficient, reference_
 NORM_TYPES = (2.0, 1.0, 3.5, math.inf, -math.inf, 0.0)
 DTYPES = (torch.float32, torch.bfloat16)
 NORM_RTOL = {torch.float32: 1e-6, torch.bfloat16: 1e-5}
-DP_SHARD = 1  # the "dp_shard" dim of the (pp, dp_shard) meshes, unflattened by index: torch 2.11 refuses its name
 
 # Per-group norms asked for in the same call; feed-forward, router and output head are in no group.
 GROUPS: dict[str, str | Callable[[str], bool]] = {
@@ -344,7 +343,7 @@ def pp_fsdp2_ep(rank: int, world_size: int) -> None:
     """
     args = dataclasses.replace(ARGS, moe_layers=(1,))
     mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("pp", "dp_shard"))
-    experts_mesh = mesh._unflatten(DP_SHARD, (2, 2), ("dp_shard_mod_ep", "ep"))
+    experts_mesh = mesh._unflatten(mesh.mesh_dim_names.index("dp_shard"), (2, 2), ("dp_shard_mod_ep", "ep"))
     pp, dp = mesh.get_coordinate()
     model = build_stage(args, pp, 2)
     apply_ep(model, experts_mesh["ep"])
@@ -374,7 +373,7 @@ def pp_hsdp_ep(rank: int, world_size: int) -> None:
     """
     args = dataclasses.replace(ARGS, moe_layers=(1,))
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
-    experts_mesh = mesh._unflatten(DP_SHARD, (1, 2), ("dp_shard_mod_ep", "ep"))
+    experts_mesh = mesh._unflatten(mesh.mesh_dim_names.index("dp_shard"), (1, 2), ("dp_shard_mod_ep", "ep"))
     pp, rep, shard = mesh.get_coordinate()
     model = build_stage(args, pp, 2)
     apply_ep(model, experts_mesh["ep"])
