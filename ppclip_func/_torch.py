@@ -97,11 +97,7 @@ def warn_if_untested(version: str | None = None) -> bool:
 
 
 def _need(owner: Any, name: str, piece: str) -> Any:
-    # try/except, not getattr with a default: dynamo (torch 2.11) cannot trace the latter on a DeviceMesh.
-    try:
-        found = getattr(owner, name)
-    except AttributeError:
-        found = None
+    found = getattr(owner, name, None)  # (never traced: every caller runs eagerly, or at trace time)
     if found is None:
         raise unsupported(piece)
     return found
