@@ -43,6 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ._agree import RULE_STATIC, label_set
 from ._call import _check_clip_args, _grad_reader, _rewrap
+from ._devices import constant, scalar
 from ._exclude import check_exclude, included_params, without_excluded
 from ._measure import Measured, NormOptions, PpDim, measure, validated
 from ._norms import NormKind, norm_kind
@@ -168,7 +169,7 @@ def adagc_update(
     if rule.max_norm is None:
         global_coef = torch.ones_like(t)
     else:
-        cap = torch.as_tensor(rule.max_norm, dtype=t.dtype, device=t.device)
+        cap = scalar(rule.max_norm, t.dtype, t.device)
         global_coef = torch.clamp(cap / (t + rule.eps), max=1.0)
     warm_gamma = torch.minimum(gamma, x * global_coef)
     # After it: each parameter against its own history; an unset one starts at its norm.
@@ -196,7 +197,7 @@ def scale_per_leaf(
     for (device, dtype), (group, idx) in _by_device_and_dtype(shards).items():
         c = coef.to(device, torch.float64 if dtype == torch.float64 else torch.float32)
         if len(idx) != len(shards):
-            c = c[torch.tensor(idx, device=device)]
+            c = c[constant(idx, torch.int64, device)]
         # Traced, the whole rule (norms, gamma, divisions) would otherwise be inlined into every element's
         # multiply (GPT-2 shapes: 1.5x the plain clip's time).
         c = factor_for(own_buffer(c), device, dtype)
@@ -233,14 +234,14 @@ def _step(
         skip = torch.where(measured.agree, skip, True)
     params_in = included_params(index.names, groups, labels, excluded)
     if params_in is not None:  # excluded parameters: coefficient 1, gamma left as it was (static mask)
-        mask = torch.tensor(params_in).to(coef.device)
+        mask = constant(params_in, torch.bool, coef.device)
         coef = torch.where(mask, coef, 1.0)
         new_state = AdaGCState(new_state.count, torch.where(mask, new_state.gamma, state.gamma))
     slots = leaf_slots(index, leaves.index, len(leaves.flat), leaves.paths)
     if len(counted) != len(slots):
         slots = [slots[i] for i in counted]
     keep = finite_mask(measured.total, p, nonfinite)
-    per_leaf = coef[torch.tensor(slots, dtype=torch.int64).to(coef.device)] if slots else coef[:0]
+    per_leaf = coef[constant(slots, torch.int64, coef.device)] if slots else coef[:0]
     if len(counted) == len(leaves.shards):
         out = scale_per_leaf(leaves.shards, per_leaf, keep, inplace=inplace)
     else:

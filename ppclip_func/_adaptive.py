@@ -53,6 +53,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
+from ._devices import scalar
 from ._scale import own_buffer
 
 __all__: list[str] = []
@@ -210,7 +211,7 @@ def adapt(
             # The further above z, the lower the target: z * std scaled by z / zscore.
             target = (mean + rule.z * std / (zscore / rule.z)) * rule.clip_factor
     spike = spike & ~warming
-    cap = inf if rule.max_norm is None else torch.as_tensor(rule.max_norm, dtype=mean.dtype, device=mean.device)
+    cap = inf if rule.max_norm is None else scalar(rule.max_norm, mean.dtype, mean.device)
     threshold = torch.minimum(torch.where(warming, inf, torch.where(spike, target, let_through)), cap)
 
     skip = ~torch.isfinite(x)

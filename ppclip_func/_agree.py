@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 
 from . import _torch
+from ._devices import reads_on_host
 from ._layout import World, device_of, own_caches, per_group_cache
 from ._norms import NormKind
 
@@ -581,7 +582,7 @@ def _host_bytes(state: Sequence[torch.Tensor]) -> bytes | None:
     says."""
     codes = "="
     for t in state:
-        code = _EXACT_SCALARS.get(t.dtype) if type(t) is torch.Tensor and t.is_cpu and t.dim() == 0 else None
+        code = _EXACT_SCALARS.get(t.dtype) if reads_on_host(t) and t.dim() == 0 else None
         if code is None:
             break
         codes += code
@@ -592,7 +593,7 @@ def _host_bytes(state: Sequence[torch.Tensor]) -> bytes | None:
         return struct.pack(codes, *[t.tolist() for t in state])
     parts, size = [], 0
     for t in state:
-        if type(t) is not torch.Tensor or not t.is_cpu or not t.is_contiguous():
+        if not reads_on_host(t) or not t.is_contiguous():
             return None
         size += t.nbytes
         if size > _HOST_BYTES:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ._devices import constant
 from ._measure import Measured
 from ._norms import NormKind
 from ._paths import GroupSpec, check_groups, group_indices
@@ -79,7 +80,7 @@ def included_total(measured: Measured, kind: NormKind, labels: list[str], exclud
         return measured.total
     reduced, n = measured.reduced, measured.entries
     keep = [i for i, label in enumerate(labels) if label not in excluded] + [len(labels)]
-    idx = torch.tensor(keep + [n + i for i in keep], dtype=torch.int64).to(reduced.device)
+    idx = constant(keep + [n + i for i in keep], torch.int64, reduced.device)
     _, total = kind.decode(reduced[idx], per_group=False, n_total=len(keep))
     return total.to(measured.total.dtype)
 

@@ -338,12 +338,15 @@ def _group_name(mesh: DeviceMesh) -> str | None:
         ValueError: ``mesh`` is multi-dim, smaller than the default group, and
             not flattened yet.
     """
-    if mesh.size() == 1:
-        return None
+    # A mesh with a group of its own gets its collective even with one rank (one GPU): the same step, with
+    # the same one collective, as on many (a CUDA graph captures it there too). A one-rank part of a
+    # larger multi-dim mesh has no group, and nothing to reduce.
     if mesh.ndim == 1:
         return mesh.get_group().group_name
     if mesh.size() == dist.get_world_size():
         return dist.group.WORLD.group_name
+    if mesh.size() == 1:
+        return None
     ranks = sorted(_mesh_ranks(mesh))
     for flat in _torch.flattened_meshes(_torch.root_mesh(mesh)):
         if sorted(_mesh_ranks(flat)) == ranks:

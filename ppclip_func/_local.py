@@ -70,6 +70,7 @@ from collections.abc import Iterator
 
 import torch
 
+from ._devices import constant
 from ._norms import ABSENT, HAS_ELEMENT, HAS_LEAF, NormKind
 
 __all__: list[str] = []
@@ -157,7 +158,7 @@ def local_statistics(
     levels = _levels(tensors, groups, n_groups)
     if n_groups == 1 and kind.op == "sum":  # the common case: the level appended by one op, no host tensor
         return torch.constant_pad_nd(stats, (0, 1), levels[0])
-    return kind.encode(stats, torch.tensor(levels, dtype=STAT_DTYPE, device=device))
+    return kind.encode(stats, constant(levels, STAT_DTYPE, device))
 
 
 def _levels(tensors: list[torch.Tensor], groups: list[int], n_groups: int) -> list[float]:
@@ -214,7 +215,7 @@ def leaf_statistics(tensors: list[torch.Tensor], kind: NormKind, *, overflow_saf
     inverse = [0] * n
     for k, i in enumerate(order):
         inverse[i] = k
-    return stats[torch.tensor(inverse, device=stats.device)]
+    return stats[constant(inverse, torch.int64, stats.device)]
 
 
 def _foreach_limit(dtype: torch.dtype, kind: NormKind, overflow_safe: bool, device: torch.device) -> float:

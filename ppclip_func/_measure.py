@@ -28,6 +28,7 @@ from ._agree import (
     state_entries,
     states_agree,
 )
+from ._devices import constant
 from ._layout import World, count_copies, mesh_shape, pipeline_stages, resolve_world
 from ._local import STAT_DTYPE, leaf_statistics, local_statistics
 from ._norms import ABSENT, HAS_ELEMENT, HAS_LEAF, NormKind, norm_kind
@@ -331,22 +332,21 @@ def _with_param_entries(
     """
     per_leaf = leaf_statistics(shards, kind, overflow_safe=opts.overflow_safe)
     if kind.op == "sum":
-        per_leaf = per_leaf * torch.tensor(weights, dtype=STAT_DTYPE).to(per_leaf.device)
-    # Each leaf's group entry, then its parameter entry. Built on the host, where the levels use it.
-    index = torch.tensor(group_of + [n_groups + s for s in slots], dtype=torch.int64)
+        per_leaf = per_leaf * constant(weights, STAT_DTYPE, per_leaf.device)
+    # Each leaf's group entry, then its parameter entry.
+    index = group_of + [n_groups + s for s in slots]
     entries = torch.full((n_groups + n_params,), kind.identity, dtype=STAT_DTYPE, device=per_leaf.device)
     source = torch.cat([per_leaf, per_leaf])
-    on_device = index.to(per_leaf.device)
+    on_device = constant(index, torch.int64, per_leaf.device)
     if kind.op == "sum":
         entries = entries.index_add(0, on_device, source)
     else:
         entries = entries.scatter_reduce(0, on_device, source, "amax" if kind.op == "max" else "amin")
     # What this rank holds of each entry: the highest level of its leaves there (static: shapes only).
-    held = [HAS_ELEMENT if size else HAS_LEAF for size in map(torch.Tensor.numel, shards)]
-    levels = torch.full((n_groups + n_params,), ABSENT, dtype=STAT_DTYPE).scatter_reduce(
-        0, index, torch.tensor(held + held, dtype=STAT_DTYPE), "amax"
-    )
-    return kind.encode(entries.to(device), levels.to(device))
+    levels = [ABSENT] * (n_groups + n_params)
+    for i, size in zip(index, [*map(torch.Tensor.numel, shards)] * 2):
+        levels[i] = max(levels[i], HAS_ELEMENT if size else HAS_LEAF)
+    return kind.encode(entries.to(device), constant(levels, STAT_DTYPE, device))
 
 
 def _for_leaf(leaves: Leaves, i: int, fn: Any, *args: Any) -> Any:

@@ -52,6 +52,7 @@ from ._scale import clip_coefficient, finite_mask, scale
 __all__: list[str] = []
 
 _HANDED = "_ppclip_handed"  # the attribute marking an optimizer that holds a handed-over clip
+_BUFFERS = "_ppclip_scale_buffers"  # the optimizer's (grad_scale, found_inf), written in place at each hand-over
 
 
 def optimizers_of(optimizer: Any) -> list[Optimizer]:
@@ -117,14 +118,31 @@ def hand_over(
 
 
 def _hand_to_fused(opt: Optimizer, coef: torch.Tensor, skip: torch.Tensor | None) -> None:
+    """Writes ``1 / coef`` and ``skip`` into the optimizer's own two 0-dim float32 tensors and hands them
+    over as its ``grad_scale`` and ``found_inf``.
+
+    The two tensors are made at the first hand-over on their device and
+    written in place from then on, so their storage never changes: a CUDA
+    graph that captured ``optimizer.step()`` reads each step's values there,
+    whether the clip is captured with it or runs before each replay.
+    """
+    buffers = opt.__dict__.get(_BUFFERS)
+    if buffers is None or buffers[0].device != coef.device:
+        zero = torch.zeros((), dtype=torch.float32, device=coef.device)
+        buffers = opt.__dict__[_BUFFERS] = (zero, zero.clone())
+    grad_scale, found_inf = buffers
     # The kernel divides by grad_scale in float32; 1 / coef is exact where coef is a power of two
     # and otherwise within one rounding of multiplying by coef.
+    torch.reciprocal(coef.to(torch.float32), out=grad_scale)
+    if skip is None:
+        found_inf.zero_()
+    else:
+        found_inf.copy_(skip)
     handed = opt.__dict__.get(_HANDED)
     if handed is None:  # not stepped since an earlier hand-over: this one replaces it
         handed = opt.__dict__[_HANDED] = {"hook": opt.register_step_post_hook(_take_back)}
-    handed["grad_scale"] = opt.grad_scale = torch.reciprocal(coef.to(torch.float32))  # type: ignore[attr-defined]
-    found = torch.zeros((), dtype=torch.float32, device=coef.device) if skip is None else skip.to(torch.float32)
-    handed["found_inf"] = opt.found_inf = found  # type: ignore[attr-defined]
+    handed["grad_scale"] = opt.grad_scale = grad_scale  # type: ignore[attr-defined]
+    handed["found_inf"] = opt.found_inf = found_inf  # type: ignore[attr-defined]
 
 
 def _take_back(opt: Optimizer, args: Any, kwargs: Any) -> None:

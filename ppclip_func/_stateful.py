@@ -11,6 +11,13 @@ per-parameter running norms keyed by parameter name, so that a checkpoint
 loads into another sharding or another split into pipeline stages (every
 rank's index names every parameter of the whole model).
 
+Both holders also keep the state where it is: :meth:`ClipStateful.update_`
+writes a step's new state into the holder's own tensors, and
+``load_state_dict()`` restores into them, so their storage never changes.
+A step captured in a CUDA graph reads the state at the addresses it was
+captured with; updated this way, inside the captured step, each replay
+reads the state the previous one left (docs/cuda-graphs.md).
+
 The state is three 0-dim tensors that every rank computes from the same
 all-reduced norm, so they are bitwise identical on every rank: DCP saves
 them as replicated tensors, once, and any number of ranks loads them, the
@@ -38,10 +45,12 @@ class ClipStateful(Stateful):
     """Holds the adaptive clip's :class:`ClipState` for ``torch.distributed.checkpoint`` and torchtitan.
 
     Read ``clip.state`` for each step and store the step's ``stats.state``
-    back; hand the holder to the checkpointer, which saves and loads it on
-    every rank. A :class:`ClipState` is never changed in place: ``state_dict()``
-    returns copies, and ``load_state_dict()`` puts new tensors in ``state``,
-    on the device and in the dtype the holder's state had.
+    back, either by setting ``clip.state`` (the holder then holds the step's
+    tensors) or with :meth:`update_` (the holder's tensors are written in
+    place: what a step captured in a CUDA graph needs). Hand the holder to
+    the checkpointer, which saves and loads it on every rank:
+    ``state_dict()`` returns copies, and ``load_state_dict()`` writes into
+    the holder's tensors, in their device and dtype.
 
     Args:
         device: Where the grads live, as :func:`init_clip_state`.
@@ -78,6 +87,33 @@ class ClipStateful(Stateful):
             raise TypeError(f"state must be a ClipState of 0-dim tensors (a step's stats.state), got {state!r}")
         self._state = state
 
+    def update_(self, state: ClipState) -> None:
+        """Writes ``state``, a step's ``stats.state``, into the holder's tensors, in place.
+
+        ``clip.state``'s tensors keep their storage, so a step captured in a
+        CUDA graph (``torch.cuda.graph``) that reads ``clip.state`` and ends
+        with ``clip.update_(stats.state)`` carries the statistics from one
+        replay to the next. One ``_foreach_copy_``, no host read. (A step
+        compiled with ``mode="reduce-overhead"`` returns the new state
+        instead: a compiled graph that writes to its inputs is not captured.)
+
+        Raises:
+            TypeError: ``state`` is not a :class:`ClipState` of 0-dim tensors
+                of the holder's dtypes.
+
+        Example:
+            >>> import torch
+            >>> from ppclip_func import ClipStateful, adaptive_clip_grad_norm_
+            >>> clip = ClipStateful()
+            >>> mean = clip.state.mean
+            >>> w = torch.nn.Parameter(torch.zeros(2))
+            >>> w.grad = torch.full((2,), 3.0)
+            >>> clip.update_(adaptive_clip_grad_norm_([w], None, clip.state).state)
+            >>> clip.state.mean is mean, mean
+            (True, tensor(4.2426, dtype=torch.float64))
+        """
+        _copy_into(self._state, state, ClipState, "ClipState")
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Returns ``{"count", "mean", "var"}``: copies of the state's 0-dim tensors."""
         return {key: t.detach().clone() for key, t in zip(_KEYS, self._state)}
@@ -100,12 +136,9 @@ class ClipStateful(Stateful):
                 raise TypeError(f"state_dict[{key!r}] must be a tensor, got {type(value).__name__}")
             if value.dim() != 0:
                 raise ValueError(f"state_dict[{key!r}] must be a 0-dim tensor, got shape {tuple(value.shape)}")
-        self._state = ClipState(
-            *(
-                state_dict[key].detach().to(device=old.device, dtype=old.dtype, copy=True)
-                for key, old in zip(_KEYS, self._state)
-            )
-        )
+        with torch.no_grad():
+            for key, own in zip(_KEYS, self._state):
+                own.copy_(state_dict[key].detach())
 
     def __repr__(self) -> str:
         return f"ClipStateful({self._state!r})"
@@ -149,7 +182,7 @@ class AdaGCStateful(Stateful):
 
     @property
     def state(self) -> AdaGCState:
-        """The state for the next step; set it to each step's ``stats.state``."""
+        """The state for the next step; set it to each step's ``stats.state``, or :meth:`update_` it."""
         return self._state
 
     @state.setter
@@ -162,6 +195,18 @@ class AdaGCStateful(Stateful):
                 f"got shapes {tuple(state.count.shape)} and {tuple(state.gamma.shape)}"
             )
         self._state = state
+
+    def update_(self, state: AdaGCState) -> None:
+        """Writes ``state``, a step's ``stats.state``, into the holder's tensors, in place.
+
+        As :meth:`ClipStateful.update_`: ``clip.state``'s tensors keep their
+        storage, for a step captured in a CUDA graph.
+
+        Raises:
+            TypeError: ``state`` is not an :class:`AdaGCState` with the
+                holder's shapes and dtypes.
+        """
+        _copy_into(self._state, state, AdaGCState, "AdaGCState")
 
     def state_dict(self) -> dict[str, Any]:
         """Returns ``{"count": 0-dim, "gamma": {name: 0-dim}}``: copies of the state's tensors."""
@@ -193,11 +238,23 @@ class AdaGCStateful(Stateful):
                 raise TypeError(f"state_dict {key} must be a tensor, got {type(value).__name__}")
             if value.dim() != 0:
                 raise ValueError(f"state_dict {key} must be a 0-dim tensor, got shape {tuple(value.shape)}")
-        old = self._state
-        values = torch.stack(
-            [gamma[n].detach().to(device=old.gamma.device, dtype=old.gamma.dtype) for n in self.index.names]
-        )
-        self._state = AdaGCState(count.detach().to(device=old.count.device, dtype=old.count.dtype, copy=True), values)
+        own = self._state
+        with torch.no_grad():
+            own.count.copy_(count.detach())
+            own.gamma.copy_(torch.stack([gamma[n].detach().to(own.gamma) for n in self.index.names]))
 
     def __repr__(self) -> str:
         return f"AdaGCStateful({self._state!r})"
+
+
+def _copy_into(own: tuple[torch.Tensor, ...], new: Any, kind: type, name: str) -> None:
+    """Copies ``new``'s tensors into ``own``'s, in place, after checking that they match (host metadata only)."""
+    if not isinstance(new, kind) or not all(
+        isinstance(n, torch.Tensor) and n.shape == o.shape and n.dtype == o.dtype for n, o in zip(new, own)
+    ):
+        want = ", ".join(f"{tuple(o.shape)} {o.dtype}" for o in own)
+        raise TypeError(
+            f"state must be a {name} of tensors like the holder's ({want}): a step's stats.state, got {new!r}"
+        )
+    with torch.no_grad():
+        torch._foreach_copy_(list(own), list(new))
