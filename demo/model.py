@@ -25,6 +25,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+# torch 2.13 renamed funcol's *_tensor collectives *_single (same arguments); torch 2.11 and 2.12 have only
+# the old names, and 2.13 and 2.14 keep them as deprecated aliases.
+_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+_reduce_scatter_autograd = (
+    getattr(funcol, "reduce_scatter_single_autograd", None) or funcol.reduce_scatter_tensor_autograd
+)
+
 __all__ = [
     "Attention",
     "Block",
@@ -124,14 +132,14 @@ class GroupedExperts(nn.Module):
         if self.ep_mesh is not None:
             group = self.ep_mesh.get_group()
             first = self.ep_mesh.get_local_rank() * w1.shape[0]
-            tokens = funcol.all_gather_single_autograd(tokens, 0, group)
-            expert = funcol.all_gather_single(expert, 0, group)
+            tokens = _gather_autograd(tokens, 0, group)
+            expert = _gather(expert, 0, group)
         out = torch.zeros_like(tokens)
         for e in range(w1.shape[0]):
             routed = (expert == first + e).unsqueeze(-1).to(tokens.dtype)
             out = out + routed * (F.silu(tokens @ w1[e]) @ w2[e])
         if self.ep_mesh is not None:
-            out = funcol.reduce_scatter_single_autograd(out, "sum", 0, self.ep_mesh.get_group())
+            out = _reduce_scatter_autograd(out, "sum", 0, self.ep_mesh.get_group())
         return out
 
 

@@ -168,12 +168,18 @@ def _skip_next_step(opt: Optimizer, skip: torch.Tensor) -> None:
     step = type(opt).step.__get__(opt)  # the class's (hooked) step, not a wrapper left by an earlier call
 
     def step_unless_skipped(*args: Any, **kwargs: Any) -> Any:
-        del opt.step  # one call: the class's step again from now on
+        _restore_step(opt)  # one call: the class's step again from now on
         if bool(skip):
             return None
         return step(*args, **kwargs)
 
     opt.step = step_unless_skipped  # type: ignore[method-assign]
+
+
+# Eager even under torch.compile: torch 2.11's dynamo cannot trace deleting an instance attribute.
+@torch.compiler.disable
+def _restore_step(opt: Optimizer) -> None:
+    del opt.step
 
 
 NONFINITE_IN_OPTIMIZER = ("propagate", "skip", "error")

@@ -32,6 +32,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.fsdp
 from torch import nn
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
@@ -67,6 +68,11 @@ class Layout:
 
     def skip_reason(self) -> str | None:
         """Why this layout cannot run with the installed torch, or None."""
+        if not hasattr(torch.distributed.fsdp, "DataParallelMeshDims"):
+            return (
+                f"torchtitan {TORCHTITAN_VERSION}'s parallelize code imports torch.distributed.fsdp."
+                f"DataParallelMeshDims, which torch {torch.__version__} does not have (torch >= 2.12)"
+            )
         if self.spmd_backend == "spmd_types" and not TORCH_2_14:
             return (
                 f"torchtitan's spmd_types backend needs torch >= 2.14 (torch {torch.__version__}'s fully_shard "
