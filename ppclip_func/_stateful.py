@@ -93,9 +93,11 @@ class ClipStateful(Stateful):
         ``clip.state``'s tensors keep their storage, so a step captured in a
         CUDA graph (``torch.cuda.graph``) that reads ``clip.state`` and ends
         with ``clip.update_(stats.state)`` carries the statistics from one
-        replay to the next. One ``_foreach_copy_``, no host read. (A step
-        compiled with ``mode="reduce-overhead"`` returns the new state
-        instead: a compiled graph that writes to its inputs is not captured.)
+        replay to the next. One ``_foreach_copy_``, no host read. Inside a
+        ``torch.compile``d function, also return the new state (or call
+        this after the compiled call): torch 2.13's inductor was seen to
+        write wrong values when the copy's sources were not outputs of the
+        graph (docs/cuda-graphs.md).
 
         Raises:
             TypeError: ``state`` is not a :class:`ClipState` of 0-dim tensors

@@ -26,8 +26,7 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -48,6 +47,7 @@ from ppclip_func import (
     param_norm_index,
 )
 from tests._collectives import CollectiveCounter
+from tests._fake_pg import one_rank_world
 
 # Ops whose result the host must wait for (a value, or an output size that depends on values).
 SYNCING_OPS = frozenset(
@@ -132,13 +132,8 @@ def _signature(x: Any) -> Any:
 @pytest.fixture(scope="module")
 def one_rank_mesh() -> Iterator[DeviceMesh]:
     """A one-rank gloo group and mesh in this process (the collective is real, as a one-rank NCCL group's)."""
-    if dist.is_initialized():
-        pytest.fail("a process group is already initialized in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
-    finally:
-        dist.destroy_process_group()
+    with one_rank_world() as mesh:
+        yield mesh
 
 
 @pytest.fixture

@@ -29,10 +29,11 @@ import torch
 import torch.distributed as dist
 from torch._dynamo.backends.registry import lookup_backend
 from torch._dynamo.utils import counters
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 
 from ppclip_func import adaptive_clip_grad_norm_, init_clip_state
+from tests._fake_pg import one_rank_world
 from tests.test_compile_fake_pg import HOST_SYNC_OPS, CaptureBackend, aten_ops
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "docs" / "examples" / "functional_train_step.py"
@@ -89,13 +90,8 @@ def test_the_script_runs(capsys):
 @pytest.fixture(scope="module")
 def one_rank_mesh() -> Iterator[DeviceMesh]:
     """A one-rank gloo group and mesh in this process, as the example's ``main`` makes them."""
-    if dist.is_initialized():
-        pytest.fail("a process group is already initialized in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
-    finally:
-        dist.destroy_process_group()
+    with one_rank_world() as mesh:
+        yield mesh
 
 
 def _record(run: dict, loss: torch.Tensor, stats, params: dict[str, torch.Tensor]) -> None:
