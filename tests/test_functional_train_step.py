@@ -125,6 +125,7 @@ def compiled_run(one_rank_mesh: DeviceMesh) -> dict:
     run["graph_breaks"] = dict(counters["graph_break"])
     run["adamw_steps"] = {n: float(t) for n, t in opt_state["step"].items()}
     run["clip_count"] = int(clip_state.count)
+    run["clip_state"] = [t.clone() for t in clip_state]
     torch._dynamo.reset()
     return run
 
@@ -205,7 +206,8 @@ def test_the_step_written_back_in_place_as_docs_cuda_graphs_captures_it(compiled
     """docs/cuda-graphs.md's first recipe: the state in tensors marked static, the step's results written
     back into them inside the compiled step. On the CPU ``mode="reduce-overhead"`` captures nothing; the
     graph is the one a GPU would capture: one graph, no recompile, the state's storage kept, and each
-    step's parameters those of the pure step."""
+    step's parameters, norm, threshold and skip those of the pure step, its clip statistics (every field,
+    the variance included) too."""
     torch._dynamo.reset()
     counters.clear()
     model = example.make_model()
@@ -225,7 +227,10 @@ def test_the_step_written_back_in_place_as_docs_cuda_graphs_captures_it(compiled
     with torch._dynamo.config.patch(error_on_recompile=True):
         for i, (x, y) in enumerate(batches()):
             torch.compiler.cudagraph_mark_step_begin()
-            captured_step(x, y)
+            _, stats = captured_step(x, y)
+            got = (float(stats.total_norm), float(stats.threshold), bool(stats.skip))
+            want = tuple(compiled_run[k][i] for k in ("norms", "thresholds", "skips"))
+            assert got == pytest.approx(want, rel=REL, nan_ok=True), f"step {i}: {got} vs the pure step's {want}"
             for name, want in compiled_run["params"][i].items():
                 err = float((params[name] - want).abs().max() / want.abs().max())
                 assert err <= REL, f"step {i}, {name}: relative error {err:.3g} > {REL:g}"
@@ -233,6 +238,8 @@ def test_the_step_written_back_in_place_as_docs_cuda_graphs_captures_it(compiled
     assert dict(counters["graph_break"]) == {}
     assert [t.data_ptr() for t in persistent] == storage
     assert int(clip_state.count) == STEPS - 1  # the NaN step left the statistics alone
+    for field, got, want in zip(clip_state._fields, clip_state, compiled_run["clip_state"]):
+        assert torch.allclose(got, want, rtol=REL, atol=0.0, equal_nan=True), f"{field}: {got} vs {want}"
     torch._dynamo.reset()
 
 
