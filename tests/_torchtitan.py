@@ -24,6 +24,8 @@ backend) too.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import sys
 import types
 from collections.abc import Iterator
@@ -34,6 +36,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.fsdp
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 TORCHTITAN_VERSION = "0.3.0"
@@ -73,12 +77,34 @@ class Layout:
                 f"torchtitan {TORCHTITAN_VERSION}'s parallelize code imports torch.distributed.fsdp."
                 f"DataParallelMeshDims, which torch {torch.__version__} does not have (torch >= 2.12)"
             )
+        if self.model == "qwen3_moe" and not _dtensor_scatter_keeps_shard():
+            return (
+                f"torchtitan {TORCHTITAN_VERSION}'s MoE router writes its routing map with an in-place scatter_ "
+                f"on a token-sharded DTensor, which torch {torch.__version__}'s DTensor refuses ('in-place "
+                "operations that require placement changes are not supported'; torch >= 2.13 keeps the Shard)"
+            )
         if self.spmd_backend == "spmd_types" and not TORCH_2_14:
             return (
                 f"torchtitan's spmd_types backend needs torch >= 2.14 (torch {torch.__version__}'s fully_shard "
                 "fails: 'all parameters must be DTensors on the full SPMD mesh')"
             )
         return None
+
+
+@functools.cache
+def _dtensor_scatter_keeps_shard() -> bool:
+    """Whether DTensor runs ``scatter_`` along a replicated dim of a ``Shard(0)`` tensor as a local op.
+
+    Sharding propagation only: a two-rank mesh with no process group behind it.
+    """
+    mesh = DeviceMesh("cpu", [0, 1], _init_backend=False, _rank=0)
+    target = DTensor.from_local(torch.zeros(2, 3, 4, dtype=torch.bool), mesh, [Shard(0)], run_check=False)
+    index = DTensor.from_local(torch.zeros(2, 3, 2, dtype=torch.long), mesh, [Shard(0)], run_check=False)
+    try:
+        target.scatter_(-1, index, True)
+    except RuntimeError:
+        return False
+    return True
 
 
 @dataclasses.dataclass
@@ -217,10 +243,12 @@ def _sum_reductions(model_parts: list[nn.Module]) -> None:
 
 
 def _step_microbatches(schedule: Any) -> None:
-    """torch 2.13's ``schedule.step()`` takes a whole batch, not torchtitan's ``arg_mbs=...``: route those here.
+    """torch <= 2.13's ``schedule.step()`` takes a whole batch, not torchtitan's ``arg_mbs=...``: route those here.
 
-    torch 2.14's takes ``arg_mbs``/``kwarg_mbs``/``target_mbs`` itself: not patched there.
+    torch 2.14's takes ``arg_mbs``/``kwarg_mbs``/``target_mbs`` itself: not patched there. torch 2.12's
+    ``_step_microbatches`` has no ``loss_kwargs`` either: those are bound into the loss function for the call.
     """
+    takes_loss_kwargs = "loss_kwargs" in inspect.signature(schedule._step_microbatches).parameters
 
     def step(
         *,
@@ -234,7 +262,16 @@ def _step_microbatches(schedule: Any) -> None:
         # What PipelineScheduleSingle.step does around _step_microbatches, without splitting a batch.
         schedule._stage.has_backward = schedule._has_backward
         schedule._stage.clear_runtime_states()
-        schedule._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs)
+        if takes_loss_kwargs:
+            schedule._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs)
+            return
+        loss_fn = schedule._loss_fn
+        if loss_fn is not None and loss_kwargs:
+            schedule._loss_fn = functools.partial(loss_fn, **loss_kwargs)
+        try:
+            schedule._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs)
+        finally:
+            schedule._loss_fn = loss_fn
 
     schedule.step = step
 
