@@ -23,7 +23,9 @@ same with any thread count.
 
 Eager on CPU, per bucket (a parallel region per op costs little on an idle
 machine and waits for a core on a busy one, so only large leaves use more
-than one thread):
+than one thread: with several threads, packed blocks of small leaves are
+``PACK_BLOCK`` elements, under which torch's kernels run on the calling
+thread):
 
 * fp32 (and fp64) 2-norms: leaves up to ``WHOLE`` elements read in place
   by one ``_foreach_norm`` call, as torch's own clip; up to ``PACKED``
@@ -82,6 +84,13 @@ ROW = 1 << 11
 # Elements per scratch block: 2 MiB in fp32, half of it in each core's L2 here, so a copied block is
 # reduced while still in cache (256K and 1M elements measured slower for bf16 GPT-2 grads).
 BLOCK = 1 << 19
+# Elements per block when small leaves are packed side by side with more than one torch thread:
+# at::internal::GRAIN_SIZE, up to which torch's CPU kernels run on the calling thread. torch reduces
+# such leaves one by one, never in a parallel region; packed into BLOCK-sized blocks, the row norm and
+# the conversion open one per block, and where another process holds the other cores each waits for
+# one to be scheduled (measured: 8 ms per op of 34816 elements against 5-9 us at 32768, with 2 threads
+# and both cores loaded). With one thread there is no parallel region, and BLOCK's fewer ops are faster.
+PACK_BLOCK = 1 << 15
 # fp32 dense leaves up to this size have their 2-norm taken whole, by torch's 16-lane kernel: within
 # 4.3e-7 of float64 even for bf16-valued data (8192: 1.5e-6, 32768: 4.6e-6).
 WHOLE = 1 << 12
@@ -520,6 +529,8 @@ class _Stream:
         self.owner = owner
         self.buf = buf
         self.pending: list[torch.Tensor] = []
+        # Packed blocks (pack, flush) that no op splits over threads, unless there is only one.
+        self.packed = PACK_BLOCK if torch.get_num_threads() > 1 else BLOCK
 
     def add(self, t: torch.Tensor) -> None:
         n = t.numel()
@@ -542,11 +553,12 @@ class _Stream:
         """Reduces contiguous 1-D tensors of one dtype, at most ``BLOCK`` elements each, packed side by side.
 
         One ``cat`` per block into the buffer, then one row-wise norm: no op,
-        and little Python, per tensor.
+        and little Python, per tensor. Blocks hold ``self.packed`` elements
+        (a larger tensor, a block of its own).
         """
         buf, start, fill = self.buf, 0, 0
         for i, n in enumerate(map(torch.Tensor.numel, flats)):
-            if fill + n > BLOCK:
+            if fill and fill + n > self.packed:
                 self._put(flats[start:i], 0, fill)
                 self.owner.reduce_block(buf[:fill])
                 start, fill = i, 0
@@ -559,10 +571,11 @@ class _Stream:
         for item in self.pending:
             n = item.numel()
             packable = item.dim() == 1 and item.is_contiguous()
-            if run and (fill + n > BLOCK or not packable or item.dtype != run[0].dtype):
+            full = fill and fill + n > self.packed
+            if run and (full or not packable or item.dtype != run[0].dtype):
                 self._put(run, run_at, fill)
                 run = []
-            if fill + n > BLOCK:
+            if full:
                 self.owner.reduce_block(buf[:fill])
                 fill = 0
             if packable:

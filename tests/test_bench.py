@@ -252,3 +252,19 @@ def test_optimizer_schema_and_what_a_skipped_step_allocates(results: pathlib.Pat
         assert b["handed_skipped"] - b["norm_only"] < 0.01 * s["grad_bytes"], b
         assert b["skip_update"] >= s["grad_bytes"], b
     assert "### 8. The whole optimizer step" in (results / "summary.md").read_text()
+
+
+def test_busy_study_times_both_clips_idle_and_with_the_other_cores_busy(tmp_path: pathlib.Path):
+    cmd = [python(), "-m", "bench.busy_study", "--quick", "--out", str(tmp_path)]
+    code, log, leftovers = run_bounded(cmd, 180)
+    assert not leftovers, f"processes left behind (a spinner not stopped?): {leftovers}"
+    assert code == 0, f"busy_study exited with {code}:\n{log[-4000:]}"
+    data = _load(tmp_path, "busy")
+    assert data["quick"] is True and data["runs"] >= 5
+    for point in data["points"]:
+        conditions = {(c["load"], c["threads"]): c for c in point["conditions"]}
+        assert set(conditions) == {(load, t) for load in ("idle", "busy") for t in (1, 2)}
+        for (load, threads), c in conditions.items():
+            # Every core but the first spins while the busy conditions are timed.
+            assert c["spinners"] == (data["cores"] - 1 if load == "busy" else 0), c
+            _positive_numbers({**c["ms"], "ratio": c["ours_over_torch"]}, f"{point['dtype']} {load} {threads}")

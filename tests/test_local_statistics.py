@@ -25,6 +25,8 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import ppclip_func._local as local
 from ppclip_func import clip_grad_norm_, global_grad_norm
@@ -147,9 +149,10 @@ def test_clip_grad_norm_in_place_matches_the_reference_on_large_bf16_and_strided
 
 def test_many_leaves_cost_at_most_one_op_each():
     """Small leaves share one foreach call; a medium fp32 leaf costs at most one op (torch's own CPU
-    foreach runs one norm per leaf inside); bf16 leaves are packed, a few ops per block of 2^19
-    elements (a cat in bf16, the conversion, the row norms). Views (free: no data is read) are not
-    counted."""
+    foreach runs one norm per leaf inside); bf16 leaves are packed, a few ops per block (a cat in
+    bf16, the conversion, the row norms): blocks of 2^19 elements with one thread, of 2^15 with more
+    (no op opens a parallel region for leaves torch reduces one by one). Views (free: no data is read)
+    are not counted."""
 
     def ops(leaves: list[torch.Tensor]) -> int:
         with OpCounter() as mode:
@@ -158,8 +161,45 @@ def test_many_leaves_cost_at_most_one_op_each():
 
     assert ops([torch.rand(1000) for _ in range(2000)]) == ops([torch.rand(1000) for _ in range(200)])
     assert ops([torch.rand(8192) for _ in range(2000)]) <= 2000 + 20
-    blocks = 2000 * 64 * 128 // BLOCK
+    block = BLOCK if torch.get_num_threads() == 1 else local.PACK_BLOCK
+    blocks = -(-2000 // (block // (64 * 128)))
     assert ops([torch.rand(64, 128).bfloat16() for _ in range(2000)]) <= 4 * blocks + 10
+
+
+class LargestOperand(TorchDispatchMode):
+    """The most elements any tensor read or written by one op holds, views (which read nothing) aside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            tensors = [t for t in pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+            self.largest = max([self.largest, *(t.numel() for t in tensors)])
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_leaves_under_the_grain_open_no_parallel_region_with_several_threads(num_threads, dtype):
+    """torch's CPU kernels split an op over threads above at::internal::GRAIN_SIZE (32768 elements), and
+    its foreach clip reduces and scales leaves under it one by one, on the calling thread. With several
+    threads the clip of such leaves must not open a parallel region either (on a machine whose other
+    cores are busy, each one waits milliseconds for a core): no op of it holds more than 32768 elements.
+    With one thread there is no region to open, and packed blocks are longer (fewer ops)."""
+    grain = 1 << 15
+    leaves = [_rand(n, dtype=dtype, seed=n) for n in [100, 4096, 8192, 20_000, grain] * 40]
+    params = [torch.nn.Parameter(torch.empty_like(t)) for t in leaves]
+    for p, t in zip(params, leaves):
+        p.grad = t.clone()
+    with LargestOperand() as mode:
+        got = clip_grad_norm_(params, None, 1e30)
+    if num_threads > 1:
+        assert mode.largest <= grain, mode.largest
+    else:
+        assert mode.largest > grain, mode.largest
+    _expect_close(got, leaves, 2.0)
 
 
 BLAS_OPS = {
