@@ -38,7 +38,12 @@ def clip_coefficient(
         total_norm = total_norm.to(dtype)
     if isinstance(max_norm, torch.Tensor) and max_norm.dtype != total_norm.dtype:
         max_norm = max_norm.to(total_norm.dtype)
-    return torch.clamp(max_norm / (total_norm + eps), max=1.0)
+    denominator = total_norm + eps
+    if isinstance(max_norm, torch.Tensor):
+        return torch.clamp(max_norm / denominator, max=1.0)
+    # What `max_norm / denominator` computes for a Python number (Tensor.__rdiv__), without its Python
+    # wrapper: 18 us against 8 on this CPU, once per compute dtype of every eager clip.
+    return torch.clamp(denominator.reciprocal() * max_norm, max=1.0)
 
 
 def finite_mask(total_norm: torch.Tensor, norm_type: float | None, nonfinite: str) -> torch.Tensor | None:
