@@ -95,7 +95,7 @@ class ClipStateful(Stateful):
         with ``clip.update_(stats.state)`` carries the statistics from one
         replay to the next. One ``_foreach_copy_``, no host read. Inside a
         ``torch.compile``d function, also return the new state (or call
-        this after the compiled call): torch 2.13's inductor was seen to
+        this after the compiled call): torch 2.13's and 2.14's inductor were seen to
         write wrong values when the copy's sources were not outputs of the
         graph (docs/cuda-graphs.md).
 
