@@ -23,9 +23,8 @@ same with any thread count.
 
 Eager on CPU, per bucket (a parallel region per op costs little on an idle
 machine and waits for a core on a busy one, so only large leaves use more
-than one thread: with several threads, packed blocks of small leaves are
-``PACK_BLOCK`` elements, under which torch's kernels run on the calling
-thread):
+than one thread: packed blocks of small leaves are reduced on the calling
+thread alone, as torch reduces such leaves):
 
 * fp32 (and fp64) 2-norms: leaves up to ``WHOLE`` elements read in place
   by one ``_foreach_norm`` call, as torch's own clip; up to ``PACKED``
@@ -64,6 +63,7 @@ buffer, no loop over blocks.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import threading
@@ -84,13 +84,6 @@ ROW = 1 << 11
 # Elements per scratch block: 2 MiB in fp32, half of it in each core's L2 here, so a copied block is
 # reduced while still in cache (256K and 1M elements measured slower for bf16 GPT-2 grads).
 BLOCK = 1 << 19
-# Elements per block when small leaves are packed side by side with more than one torch thread:
-# at::internal::GRAIN_SIZE, up to which torch's CPU kernels run on the calling thread. torch reduces
-# such leaves one by one, never in a parallel region; packed into BLOCK-sized blocks, the row norm and
-# the conversion open one per block, and where another process holds the other cores each waits for
-# one to be scheduled (measured: 8 ms per op of 34816 elements against 5-9 us at 32768, with 2 threads
-# and both cores loaded). With one thread there is no parallel region, and BLOCK's fewer ops are faster.
-PACK_BLOCK = 1 << 15
 # fp32 dense leaves up to this size have their 2-norm taken whole, by torch's 16-lane kernel: within
 # 4.3e-7 of float64 even for bf16-valued data (8192: 1.5e-6, 32768: 4.6e-6).
 WHOLE = 1 << 12
@@ -529,8 +522,6 @@ class _Stream:
         self.owner = owner
         self.buf = buf
         self.pending: list[torch.Tensor] = []
-        # Packed blocks (pack, flush) that no op splits over threads, unless there is only one.
-        self.packed = PACK_BLOCK if torch.get_num_threads() > 1 else BLOCK
 
     def add(self, t: torch.Tensor) -> None:
         n = t.numel()
@@ -553,12 +544,16 @@ class _Stream:
         """Reduces contiguous 1-D tensors of one dtype, at most ``BLOCK`` elements each, packed side by side.
 
         One ``cat`` per block into the buffer, then one row-wise norm: no op,
-        and little Python, per tensor. Blocks hold ``self.packed`` elements
-        (a larger tensor, a block of its own).
+        and little Python, per tensor. On the calling thread only
+        (:func:`_calling_thread_only`).
         """
+        with _calling_thread_only():
+            self._pack(flats)
+
+    def _pack(self, flats: list[torch.Tensor]) -> None:
         buf, start, fill = self.buf, 0, 0
         for i, n in enumerate(map(torch.Tensor.numel, flats)):
-            if fill and fill + n > self.packed:
+            if fill + n > BLOCK:
                 self._put(flats[start:i], 0, fill)
                 self.owner.reduce_block(buf[:fill])
                 start, fill = i, 0
@@ -567,11 +562,18 @@ class _Stream:
         self.owner.reduce_block(buf[:fill])
 
     def flush(self) -> None:
+        """Reduces the pending items, packed side by side, on the calling thread only."""
+        if self.pending:
+            with _calling_thread_only():
+                self._flush()
+        self.pending = []
+
+    def _flush(self) -> None:
         buf, fill, run, run_at = self.buf, 0, [], 0
         for item in self.pending:
             n = item.numel()
             packable = item.dim() == 1 and item.is_contiguous()
-            full = fill and fill + n > self.packed
+            full = fill + n > BLOCK
             if run and (full or not packable or item.dtype != run[0].dtype):
                 self._put(run, run_at, fill)
                 run = []
@@ -589,7 +591,6 @@ class _Stream:
             self._put(run, run_at, fill)
         if fill:
             self.owner.reduce_block(buf[:fill])
-        self.pending = []
 
     def _put(self, run: list[torch.Tensor], start: int, end: int) -> None:
         """Writes contiguous 1-D tensors of one dtype side by side into ``buf[start:end]``.
@@ -606,6 +607,33 @@ class _Stream:
         staged = _scratch(run[0].dtype)[: end - start]
         torch.cat(run, out=staged)
         self.buf[start:end].copy_(staged)
+
+
+@contextlib.contextmanager
+def _calling_thread_only() -> Iterator[None]:
+    """Runs torch's CPU ops on the calling thread alone inside the block, as with one torch thread.
+
+    The packed blocks of small leaves are ``BLOCK`` elements, over which
+    torch's kernels split the work across its threads: a parallel region per
+    op, whose end waits for every thread. torch's own clip reduces such
+    leaves one by one, each under ``at::internal::GRAIN_SIZE`` (32768), so
+    on the calling thread. Measured with 2 threads on 2 cores (bench/
+    busy_study.py): idle, the regions made 2000 fp32 leaves of 8192 1.3x
+    slower than on one thread; with the other core busy, each waited for
+    it (8 ms per op of 34816 elements, against 5-9 us at 32768). Smaller
+    blocks avoid the regions but double the ops. ``torch.set_num_threads``
+    sets OpenMP's count for the calling thread (and the default for threads
+    that start torch later), for 0.3 us a switch; the count is restored.
+    """
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _pieces(t: torch.Tensor, limit: int) -> Iterator[torch.Tensor]:

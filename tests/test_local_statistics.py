@@ -149,10 +149,9 @@ def test_clip_grad_norm_in_place_matches_the_reference_on_large_bf16_and_strided
 
 def test_many_leaves_cost_at_most_one_op_each():
     """Small leaves share one foreach call; a medium fp32 leaf costs at most one op (torch's own CPU
-    foreach runs one norm per leaf inside); bf16 leaves are packed, a few ops per block (a cat in
-    bf16, the conversion, the row norms): blocks of 2^19 elements with one thread, of 2^15 with more
-    (no op opens a parallel region for leaves torch reduces one by one). Views (free: no data is read)
-    are not counted."""
+    foreach runs one norm per leaf inside); bf16 leaves are packed, a few ops per block of 2^19
+    elements (a cat in bf16, the conversion, the row norms). Views (free: no data is read) are not
+    counted."""
 
     def ops(leaves: list[torch.Tensor]) -> int:
         with OpCounter() as mode:
@@ -161,44 +160,43 @@ def test_many_leaves_cost_at_most_one_op_each():
 
     assert ops([torch.rand(1000) for _ in range(2000)]) == ops([torch.rand(1000) for _ in range(200)])
     assert ops([torch.rand(8192) for _ in range(2000)]) <= 2000 + 20
-    block = BLOCK if torch.get_num_threads() == 1 else local.PACK_BLOCK
-    blocks = -(-2000 // (block // (64 * 128)))
+    blocks = 2000 * 64 * 128 // BLOCK
     assert ops([torch.rand(64, 128).bfloat16() for _ in range(2000)]) <= 4 * blocks + 10
 
 
-class LargestOperand(TorchDispatchMode):
-    """The most elements any tensor read or written by one op holds, views (which read nothing) aside."""
+class ThreadsOfLargeOps(TorchDispatchMode):
+    """The torch thread count each op that reads or writes more than ``grain`` elements runs with."""
 
-    def __init__(self) -> None:
+    def __init__(self, grain: int) -> None:
         super().__init__()
-        self.largest = 0
+        self.grain = grain
+        self.threads: list[int] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if not func.is_view:
-            tensors = [t for t in pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
-            self.largest = max([self.largest, *(t.numel() for t in tensors)])
-        return out
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if not func.is_view and max((t.numel() for t in tensors), default=0) > self.grain:
+            self.threads.append(torch.get_num_threads())
+        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_leaves_under_the_grain_open_no_parallel_region_with_several_threads(num_threads, dtype):
+def test_leaves_under_the_grain_are_reduced_on_the_calling_thread(dtype):
     """torch's CPU kernels split an op over threads above at::internal::GRAIN_SIZE (32768 elements), and
-    its foreach clip reduces and scales leaves under it one by one, on the calling thread. With several
-    threads the clip of such leaves must not open a parallel region either (on a machine whose other
-    cores are busy, each one waits milliseconds for a core): no op of it holds more than 32768 elements.
-    With one thread there is no region to open, and packed blocks are longer (fewer ops)."""
+    its foreach clip reduces and scales leaves under it one by one, on the calling thread. Packed into
+    larger blocks, such leaves must be reduced on the calling thread too: on a machine whose other cores
+    are busy, each parallel region waits for one (milliseconds). With 2 torch threads (the fixture puts
+    the count back), every op over the grain runs with one, and the count is 2 again after the clip."""
     grain = 1 << 15
+    torch.set_num_threads(2)
     leaves = [_rand(n, dtype=dtype, seed=n) for n in [100, 4096, 8192, 20_000, grain] * 40]
     params = [torch.nn.Parameter(torch.empty_like(t)) for t in leaves]
     for p, t in zip(params, leaves):
         p.grad = t.clone()
-    with LargestOperand() as mode:
+    with ThreadsOfLargeOps(grain) as mode:
         got = clip_grad_norm_(params, None, 1e30)
-    if num_threads > 1:
-        assert mode.largest <= grain, mode.largest
-    else:
-        assert mode.largest > grain, mode.largest
+    assert mode.threads, "no op read a packed block"
+    assert set(mode.threads) == {1}, mode.threads
+    assert torch.get_num_threads() == 2
     _expect_close(got, leaves, 2.0)
 
 
