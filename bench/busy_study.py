@@ -58,11 +58,15 @@ LOADS = ("idle", "busy")
 SPIN = "import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True:\n    pass\n"
 
 
+def _cores() -> list[int]:
+    """The cores this process may run on (Linux: spinners are pinned with ``sched_setaffinity``)."""
+    return sorted(os.sched_getaffinity(0))
+
+
 @contextlib.contextmanager
 def spinners(busy: bool) -> Iterator[int]:
     """Keeps every core but the first busy with a spinning process pinned to it; yields how many run."""
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    procs = [subprocess.Popen([sys.executable, "-c", SPIN, str(c)]) for c in cores[1:]] if busy else []
+    procs = [subprocess.Popen([sys.executable, "-c", SPIN, str(c)]) for c in _cores()[1:]] if busy else []
     try:
         yield len(procs)
     finally:
@@ -117,7 +121,7 @@ def run(quick: bool = False) -> dict:
         "quick": quick,
         "runs": cfg["runs"],
         "machine": machine(),
-        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cores": len(_cores()),
         "points": [],
     }
     for dtype, leaves, size in cfg["points"]:
