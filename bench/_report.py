@@ -476,7 +476,10 @@ def save_figure(fig, path: pathlib.Path) -> None:
 
 
 def quick_cli(doc: str | None, run: Callable[..., dict]) -> dict:
-    """Runs a study from its own command line (``python -m bench.<name>_study [--quick]``); returns its result."""
+    """Runs a study from its own command line (``python -m bench.<name>_study [--quick] [--out DIR]``);
+    returns its result."""
     parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, few rounds")
-    return run(quick=parser.parse_args().quick)
+    parser.add_argument("--out", type=pathlib.Path, default=None, help="results folder (default bench/results)")
+    args = parser.parse_args()
+    return run(quick=args.quick, out=args.out)

@@ -35,6 +35,7 @@ Each is reported in ms and as ``fraction_of_bound`` = time(bound) / time(variant
 
     python -m bench.bandwidth_study [--quick] [--out DIR]
     python -m bench.bandwidth_study --allocator jemalloc [--pure-only]
+    python -m bench.bandwidth_study --inplace-only   # the in-place bound and clips: bandwidth-inplace.json
 """
 
 from __future__ import annotations
@@ -65,7 +66,12 @@ PURE = ("ours_eager_pure", "ours_compiled_pure")
 
 
 def _variants(
-    dtype: torch.dtype, shapes: list[tuple[int, ...]], backend: str, device: torch.device, pure_only: bool
+    dtype: torch.dtype,
+    shapes: list[tuple[int, ...]],
+    backend: str,
+    device: torch.device,
+    pure_only: bool,
+    inplace_only: bool = False,
 ) -> tuple[dict[str, Callable[[], object]], dict]:
     grads = make_grads(shapes, dtype, device=device)
     params = make_params(grads)
@@ -112,6 +118,9 @@ def _variants(
     if pure_only:
         variants = {k: v for k, v in variants.items() if k == "bound_pure" or k in PURE}
         to_compile = [c for c in to_compile if c[0] in PURE]
+    if inplace_only:
+        variants = {k: v for k, v in variants.items() if k == "bound_inplace" or k in INPLACE}
+        to_compile = [c for c in to_compile if c[0] in INPLACE]
     errors: dict[str, str] = {}
     for name, fn, arg in to_compile:
         compiled = torch.compile(fn, fullgraph=True, backend=backend)
@@ -151,10 +160,11 @@ def measure(
     warmup: int,
     backend: str,
     pure_only: bool = False,
+    inplace_only: bool = False,
 ) -> dict:
     """Times every variant on ``device`` for each dtype; the JSON body of a bandwidth study.
 
-    ``pure_only``: the pure bound and the pure variants only.
+    ``pure_only``: the pure bound and the pure variants only; ``inplace_only``: the in-place ones.
     """
     device = torch.device(device)
     shapes = [s for _, s in named_shapes]
@@ -174,7 +184,7 @@ def measure(
         "loadavg": [os.getloadavg()[0]],
     }
     for dtype in dtypes:
-        variants, errors = _variants(dtype, shapes, backend, device, pure_only)
+        variants, errors = _variants(dtype, shapes, backend, device, pure_only, inplace_only)
         t = interleaved(variants, runs=runs, warmup=warmup)
         name = str(dtype).removeprefix("torch.")
         result["dtypes"][name] = _summarize(t, n, dtype)
@@ -212,12 +222,15 @@ def run(quick: bool = False, out: pathlib.Path | None = None) -> dict:
     return result
 
 
-def _measure_here(quick: bool, pure_only: bool) -> dict:
+def _measure_here(quick: bool, pure_only: bool, inplace_only: bool = False) -> dict:
     cfg = QUICK if quick else FULL
     runs, warmup = (5, 1) if quick else (9, 2)
     backend = "aot_eager" if quick else "inductor"
     dtypes = (torch.float32, torch.bfloat16)
-    body = measure(gpt_shapes(**cfg), dtypes, runs=runs, warmup=warmup, backend=backend, pure_only=pure_only)
+    body = measure(
+        gpt_shapes(**cfg), dtypes, runs=runs, warmup=warmup, backend=backend, pure_only=pure_only,
+        inplace_only=inplace_only,
+    )  # fmt: skip
     body["model"]["shapes"] = f"GPT-2 {cfg}"
     return {"study": NAME, "quick": quick, **body}
 
@@ -294,9 +307,20 @@ def main() -> None:
         help="run the study in a new process under this C allocator setting; writes bandwidth-<allocator>.json",
     )
     parser.add_argument("--pure-only", action="store_true", help="with --allocator: the pure variants only")
+    parser.add_argument(
+        "--inplace-only",
+        action="store_true",
+        help="the in-place bound and clips only, under this process's allocator; writes bandwidth-inplace.json",
+    )
     parser.add_argument("--json", type=pathlib.Path, help=argparse.SUPPRESS)  # where a child writes its result
     args = parser.parse_args()
-    if args.allocator is None:
+    if args.inplace_only:
+        result = _measure_here(args.quick, pure_only=False, inplace_only=True)
+        out = args.out or RESULTS
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{NAME}-inplace.json").write_text(json.dumps(result, indent=2) + "\n")
+        print_result(result)
+    elif args.allocator is None:
         print_result(run(quick=args.quick, out=args.out))
     elif not _allocator.started_under(args.allocator):
         forwarded = ["--allocator", args.allocator, *(["--quick"] if args.quick else [])]

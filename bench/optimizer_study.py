@@ -17,7 +17,14 @@ implementation):
   ``nonfinite="skip"``: the fused kernel skips the step;
 * ``skip_update``: ``clip_grad_norm_`` then the step inside
   ``skip_update_(skip, params + AdamW state, ...)``, the undo-based skip of
-  0.2 (a copy of every parameter and moment), skipping.
+  0.2 (a copy of every parameter and moment), skipping;
+* what the floor is made of, no step: ``norm_only``, our norm alone
+  (``global_grad_norm``, what the handed clip adds to the step);
+  ``torch_norm_only``, torch's (``torch.nn.utils.get_total_norm``,
+  foreach); ``read_only``, one read of as many elements of the gradients'
+  dtype (``flat.sum()`` over one flat buffer, the read of the bandwidth
+  study's bound). ``eager_ratio_vs_step`` puts every variant over
+  ``step_only``: the handed step's floor there is ``1 + read_only``.
 
 Bytes allocated during one call of each skipping variant, and of the norm
 alone (``norm_only``: what the statistics take), are read with
@@ -74,6 +81,8 @@ QUICK = {
 }
 LEAF = 4096
 EAGER = ("step_only", "torch", "ours_inplace", "handed", "handed_adaptive", "handed_skipped", "skip_update")
+# Parts of a step, timed with the variants (no step in them): the norms alone and one read of the gradients.
+PARTS = ("norm_only", "torch_norm_only", "read_only")
 COMPILED = ("torch", "ours", "ours_skip_update")
 
 
@@ -93,6 +102,9 @@ def _eager_variants(params: list[torch.nn.Parameter]) -> tuple[dict, dict]:
     # Past warm-up, with statistics that neither clip nor skip this model's norm (its threshold is computed all the same).
     clip_state = init_clip_state()._replace(count=torch.tensor(100), mean=torch.tensor(1e6, dtype=torch.float64))
 
+    grads = [p.grad for p in params]
+    flat = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype).uniform_(-1.0, 1.0)
+
     def ours_then_skippable_step() -> None:
         clip_grad_norm_(params, None, 1.0)
         skip_update_(skip, [*params, *state], opt.step)
@@ -111,9 +123,11 @@ def _eager_variants(params: list[torch.nn.Parameter]) -> tuple[dict, dict]:
             opt.step(),
         ),
         "skip_update": ours_then_skippable_step,
+        "norm_only": lambda: global_grad_norm(grads, None),
+        "torch_norm_only": lambda: torch.nn.utils.get_total_norm(grads, 2.0, foreach=True),
+        "read_only": flat.sum,
     }
-    profiled = {k: fns[k] for k in ("handed", "handed_skipped", "skip_update")}
-    profiled["norm_only"] = lambda: global_grad_norm([p.grad for p in params], None)
+    profiled = {k: fns[k] for k in ("handed", "handed_skipped", "skip_update", "norm_only")}
     return fns, profiled
 
 
@@ -169,6 +183,7 @@ def _setting(name: str, shapes: list[tuple[int, ...]], dtype: torch.dtype, cfg: 
         "eager_ms": eager.all_ms(),
         "eager_ratio_vs_torch": {v: eager.ratio(v, "torch") for v in EAGER},
         "eager_ratio_vs_handed": {v: eager.ratio(v, "handed") for v in EAGER},
+        "eager_ratio_vs_step": {v: eager.ratio(v, "step_only") for v in (*EAGER, *PARTS)},
         "bytes_allocated": {k: _bytes_allocated(f) for k, f in skipping.items()},
         "grad_bytes": sum(p.numel() * p.element_size() for p in params),
     }
