@@ -149,7 +149,9 @@ def scale(
         compute = torch.float64 if dtype == torch.float64 else torch.float32
         if compute not in coefs:
             coefs[compute] = own_buffer(coefficient(compute))
-        factor = factor_for(coefs[compute].to(device), device, dtype)
+        coef = coefs[compute]
+        # Tensor.to is a dispatched op even when it returns self: a few us of every eager clip.
+        factor = factor_for(coef if coef.device == device else coef.to(device), device, dtype)
         multiply_group(tensors, out, group, idx, factor, keep, inplace=inplace)
     return out
 
