@@ -40,7 +40,8 @@ from bench._timing import interleaved, machine
 from ppclip_func import clip_grad_norm_
 
 NAME = "busy"
-# (dtype, leaves, elements per leaf): small leaves (bf16 and fp32, few and many) and medium fp32 ones.
+# (dtype, leaves, elements per leaf): small leaves (bf16 and fp32, few and many), medium fp32 ones, and
+# large ones (FSDP shards of 168 K, whole 1 M leaves), whose ops are over the grain in both clips.
 FULL = {
     "points": [
         ("bfloat16", 16, 4096),
@@ -48,6 +49,9 @@ FULL = {
         ("bfloat16", 1000, 4096),
         ("float32", 2000, 8192),
         ("float32", 1000, 16777),
+        ("float32", 100, 167772),
+        ("float32", 16, 1 << 20),
+        ("bfloat16", 16, 1 << 20),
     ],
     "runs": 9,
     "calls": 2**24,  # elements clipped per timed sample (repeated calls for small points)

@@ -22,9 +22,10 @@ thread count's. Threads split rows, never lengthen one, so the bound is the
 same with any thread count.
 
 Eager on CPU, per bucket (a parallel region per op costs little on an idle
-machine and waits for a core on a busy one, so only large leaves use more
-than one thread: packed blocks of small leaves are reduced on the calling
-thread alone, as torch reduces such leaves):
+machine and waits for a core on a busy one, so reads run on the calling
+thread alone, as torch's own norms do at every size: packed blocks of small
+leaves and row norms of large ones; only the bf16/fp16 conversions, which
+are compute-bound, use torch's other threads):
 
 * fp32 (and fp64) 2-norms: leaves up to ``WHOLE`` elements read in place
   by one ``_foreach_norm`` call, as torch's own clip; up to ``PACKED``
@@ -472,13 +473,18 @@ class _EagerCpu:
         Rows tile the leaf when some width of ``ROW // 8`` to ``ROW`` divides
         ``n`` (one view, one op); else they are ``ROW`` long and the last
         partial row is returned, to be packed with the medium leaves.
+
+        On the calling thread only, as torch's own norm of a whole leaf runs
+        at any size: the read is memory-bound, and one thread reads about as
+        fast as two (:func:`_calling_thread_only`).
         """
         width = _row_width(n)
-        if width:
-            self.norms.append(torch.linalg.vector_norm(t.view(n // width, width), 2, 1))
-            return []
-        flat, rows = t.view(-1), n // ROW
-        self.norms.append(torch.linalg.vector_norm(flat[: rows * ROW].view(rows, ROW), 2, 1))
+        with _calling_thread_only():
+            if width:
+                self.norms.append(torch.linalg.vector_norm(t.view(n // width, width), 2, 1))
+                return []
+            flat, rows = t.view(-1), n // ROW
+            self.norms.append(torch.linalg.vector_norm(flat[: rows * ROW].view(rows, ROW), 2, 1))
         return [flat[rows * ROW :]]
 
     def _stream(self, acc: torch.dtype) -> _Stream:
@@ -621,7 +627,12 @@ def _calling_thread_only() -> Iterator[None]:
     busy_study.py): idle, the regions made 2000 fp32 leaves of 8192 1.3x
     slower than on one thread; with the other core busy, each waited for
     it (8 ms per op of 34816 elements, against 5-9 us at 32768). Smaller
-    blocks avoid the regions but double the ops. ``torch.set_num_threads``
+    blocks avoid the regions but double the ops. The row norm of a large
+    dense leaf is kept on the calling thread too: torch's norm of a whole
+    leaf never leaves it, and with the other core busy the regions made 16
+    fp32 leaves of 1 M elements 1.46x torch's clip (1.0-1.1x on one thread;
+    0.8x on two idle cores, a gain a shared machine does not keep).
+    ``torch.set_num_threads``
     sets OpenMP's count for the calling thread (and the default for threads
     that start torch later), for 0.3 us a switch; the count is restored.
     """

@@ -200,6 +200,23 @@ def test_leaves_under_the_grain_are_reduced_on_the_calling_thread(dtype):
     _expect_close(got, leaves, 2.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_large_leaves_in_their_own_dtype_are_read_on_the_calling_thread(dtype):
+    """torch's norm of a whole leaf runs on the calling thread at every size, and a dense fp32 (fp64)
+    leaf's row-wise norm reads memory as fast on one thread as on two: on a machine whose other core is
+    busy, its parallel regions made ours 1.4x torch's clip of 16 leaves of 1 M elements with 2 threads
+    (bench/busy_study.py). Only the bf16/fp16 conversions, compute-bound, use the other threads."""
+    grain = 1 << 15
+    torch.set_num_threads(2)
+    leaves = [_rand(n, dtype=dtype, seed=n) for n in (40_000, 167_772, 1 << 20, 1_100_001)]
+    with ThreadsOfLargeOps(grain) as mode:
+        got = global_grad_norm(leaves, None)
+    assert mode.threads, "no op read a large leaf"
+    assert set(mode.threads) == {1}, mode.threads
+    assert torch.get_num_threads() == 2
+    _expect_close(got, leaves, 2.0)
+
+
 BLAS_OPS = {
     "aten::dot",
     "aten::vdot",
