@@ -449,9 +449,10 @@ class _EagerCpu:
                 return
             whole[dtype].extend(t for t, n in zip(tensors, sizes) if n <= WHOLE)
             packed = [t if t.dim() == 1 else t.view(-1) for t, n in zip(tensors, sizes) if WHOLE < n <= PACKED]
-            for t, n in zip(tensors, sizes):
-                if n > PACKED:
-                    packed.extend(self._rows(t, n))
+            with _calling_thread_only():  # once for all the large leaves: a few us a switch
+                for t, n in zip(tensors, sizes):
+                    if n > PACKED:
+                        packed.extend(self._rows(t, n))
             if packed:
                 self._stream(dtype).pack(packed)
             return
@@ -465,7 +466,8 @@ class _EagerCpu:
             elif n <= PACKED:
                 self._stream(dtype).add(dense)
             else:
-                self._stream(dtype).pending.extend(self._rows(dense, n))
+                with _calling_thread_only():
+                    self._stream(dtype).pending.extend(self._rows(dense, n))
 
     def _rows(self, t: torch.Tensor, n: int) -> list[torch.Tensor]:
         """One row-wise norm over a contiguous leaf of ``n`` elements, read in place.
@@ -474,17 +476,15 @@ class _EagerCpu:
         ``n`` (one view, one op); else they are ``ROW`` long and the last
         partial row is returned, to be packed with the medium leaves.
 
-        On the calling thread only, as torch's own norm of a whole leaf runs
-        at any size: the read is memory-bound, and one thread reads about as
-        fast as two (:func:`_calling_thread_only`).
+        Callers run it on the calling thread only, as torch's own norm of a
+        whole leaf runs at any size (:func:`_calling_thread_only`).
         """
         width = _row_width(n)
-        with _calling_thread_only():
-            if width:
-                self.norms.append(torch.linalg.vector_norm(t.view(n // width, width), 2, 1))
-                return []
-            flat, rows = t.view(-1), n // ROW
-            self.norms.append(torch.linalg.vector_norm(flat[: rows * ROW].view(rows, ROW), 2, 1))
+        if width:
+            self.norms.append(torch.linalg.vector_norm(t.view(n // width, width), 2, 1))
+            return []
+        flat, rows = t.view(-1), n // ROW
+        self.norms.append(torch.linalg.vector_norm(flat[: rows * ROW].view(rows, ROW), 2, 1))
         return [flat[rows * ROW :]]
 
     def _stream(self, acc: torch.dtype) -> _Stream:
