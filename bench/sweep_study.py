@@ -29,6 +29,7 @@ this CPU, at 1000 and 10 000 leaves.
 
     python -m bench.sweep_study            # ~30 min on 2 cores (most of it inductor compiling)
     python -m bench.sweep_study --quick    # smoke run: aot_eager, small points
+    python -m bench.sweep_study --dtypes float32 --series fixed_total fixed_leaf   # part of the sweep
     python -m bench.sweep_study --device cuda   # the same sweep on a GPU (bench/gpu_study.py runs it)
 """
 
@@ -78,6 +79,7 @@ QUICK = {
     "runs": 5,
 }
 QUICK_TOTAL = 2**18
+SERIES = ("fixed_total", "fixed_leaf", "step", "dtensor")
 
 
 def torch_clip(params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -220,9 +222,23 @@ def host_ops(counts: tuple[int, ...] = (1000, 10_000)) -> dict[str, int]:
         local.BLOCKWISE_FOREACH = before
 
 
-def run(quick: bool = False, out: pathlib.Path | None = None, device: str = "cpu") -> dict:
-    """Measures the sweep; writes ``<out>/sweep.json`` (``sweep_cuda.json`` on a GPU) and returns it."""
+def run(
+    quick: bool = False,
+    out: pathlib.Path | None = None,
+    device: str = "cpu",
+    dtypes: list[str] | None = None,
+    series_names: list[str] | None = None,
+) -> dict:
+    """Measures the sweep; writes ``<out>/sweep.json`` (``sweep_cuda.json`` on a GPU) and returns it.
+
+    ``dtypes``: the dtypes to run (default both; the DTensor point is float32's); ``series_names``: the
+    series (default all of ``SERIES``).
+    """
     cfg = QUICK if quick else FULL
+    if dtypes is not None:
+        cfg = {**cfg, "dtypes": dtypes}
+    if series_names is not None:
+        cfg = {**cfg, **{name: [] for name in SERIES if name not in series_names}}
     total = QUICK_TOTAL if quick else TOTAL
     # On an accelerator the result is a study of its own (sweep_cuda.json), beside the CPU's.
     name = NAME if device == "cpu" else f"{NAME}_{torch.device(device).type}"
@@ -241,7 +257,7 @@ def run(quick: bool = False, out: pathlib.Path | None = None, device: str = "cpu
         for n, size in cfg["step"]:
             series["step"].append(point(n, size, dtype, cfg, device, step=True))
             print(series["step"][-1], flush=True)
-    if device == "cpu":
+    if device == "cpu" and "float32" in cfg["dtypes"]:
         with single_rank_group():
             mesh = init_device_mesh("cpu", (1,))
             for n, size in cfg["dtensor"]:
@@ -280,8 +296,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small points, aot_eager: a smoke test")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    parser.add_argument("--dtypes", nargs="+", choices=FULL["dtypes"], help="the dtypes to run (default: both)")
+    parser.add_argument("--series", nargs="+", choices=SERIES, help="the series to run (default: all)")
     args = parser.parse_args()
-    result = run(quick=args.quick, out=args.out, device=args.device)
+    result = run(quick=args.quick, out=args.out, device=args.device, dtypes=args.dtypes, series_names=args.series)
     plot(result, args.out / f"{result['study']}.png")
 
 

@@ -217,6 +217,21 @@ def test_large_leaves_in_their_own_dtype_are_read_on_the_calling_thread(dtype):
     _expect_close(got, leaves, 2.0)
 
 
+def test_large_leaves_in_a_compiled_graph_use_every_thread():
+    """In a compiled graph the eager code runs as one op (``ppclip_func::cpu_statistic``) beside
+    inductor's kernels, which use every torch thread, torch's own compiled norm among them: there the
+    row norms of large leaves use them too."""
+    from ppclip_func._norms import NormKind
+
+    torch.set_num_threads(2)
+    leaves = [_rand(n, dtype=torch.float32, seed=n) for n in (40_000, 1 << 20)]
+    with ThreadsOfLargeOps(1 << 15) as mode:
+        norms, _ = local._EagerCpu(NormKind(2.0, "sum"), False, in_graph=True).run(leaves)
+    assert mode.threads and set(mode.threads) == {2}, mode.threads
+    got = torch.cat(norms).double().square().sum().sqrt()
+    _expect_close(got, leaves, 2.0)
+
+
 BLAS_OPS = {
     "aten::dot",
     "aten::vdot",
