@@ -297,6 +297,13 @@ def print_result(result: dict) -> None:
         print("errors:", result["errors"])
 
 
+def _write_named(result: dict, out: pathlib.Path | None, suffix: str) -> None:
+    """Writes a partial run's result beside the full one: ``<out>/bandwidth-<suffix>.json``."""
+    out = out or RESULTS
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{NAME}-{suffix}.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -316,9 +323,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.inplace_only:
         result = _measure_here(args.quick, pure_only=False, inplace_only=True)
-        out = args.out or RESULTS
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"{NAME}-inplace.json").write_text(json.dumps(result, indent=2) + "\n")
+        _write_named(result, args.out, "inplace")
         print_result(result)
     elif args.allocator is None:
         print_result(run(quick=args.quick, out=args.out))
@@ -326,9 +331,7 @@ def main() -> None:
         forwarded = ["--allocator", args.allocator, *(["--quick"] if args.quick else [])]
         forwarded += ["--pure-only"] if args.pure_only else []
         result = _allocator.run_module(f"bench.{NAME}_study", forwarded, args.allocator)
-        out = args.out or RESULTS
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"{NAME}-{args.allocator}.json").write_text(json.dumps(result, indent=2) + "\n")
+        _write_named(result, args.out, args.allocator)
         print_result(result)
     else:  # the child: started with the allocator's environment
         result = _measure_here(args.quick, args.pure_only)

@@ -50,7 +50,7 @@ are compute-bound, use torch's other threads):
 Under ``torch.compile`` on CPU, each bucket is one custom op
 (``ppclip_func::cpu_statistic``) that runs this same eager code at step
 time (the row norms of large leaves on every thread there, as inductor's
-kernels and torch's compiled norm run), so inductor compiles no reduction per leaf, except for dense fp32
+kernels run), so inductor compiles no reduction per leaf, except for dense fp32
 leaves of ``PACKED`` to ``TRACED_ROWS`` elements (the FSDP-shard band) and
 dense bf16/fp16 leaves above ``PACKED``, which :func:`_traced` reduces as
 rows inside the graph. On a device whose
@@ -639,9 +639,9 @@ def _calling_thread_only() -> Iterator[None]:
     leaf never leaves it, and with the other core busy the regions made 16
     fp32 leaves of 1 M elements 1.46x torch's clip (1.0-1.1x on one thread;
     0.8x on two idle cores, a gain a shared machine does not keep).
-    ``torch.set_num_threads``
-    sets OpenMP's count for the calling thread (and the default for threads
-    that start torch later), for 0.3 us a switch; the count is restored.
+    ``torch.set_num_threads`` sets OpenMP's count for the calling thread
+    (and the default for threads that start torch later), for 0.3 us a
+    switch; the count is restored.
     """
     threads = torch.get_num_threads()
     if threads == 1:
