@@ -138,7 +138,7 @@ def point(
     if step:
         impls = {"torch_step": torch_step, "ours_step": ours_step}
     else:
-        impls = {"torch_compiled": torch_clip, "ours_compiled": ours_clip}
+        impls = {} if cfg.get("eager_only") else {"torch_compiled": torch_clip, "ours_compiled": ours_clip}
         if mesh is None:
             for name, fn in (("torch_eager", torch_clip), ("ours_eager", ours_clip)):
                 params = _copy(grads)
@@ -228,17 +228,21 @@ def run(
     device: str = "cpu",
     dtypes: list[str] | None = None,
     series_names: list[str] | None = None,
+    eager_only: bool = False,
 ) -> dict:
     """Measures the sweep; writes ``<out>/sweep.json`` (``sweep_cuda.json`` on a GPU) and returns it.
 
     ``dtypes``: the dtypes to run (default both; the DTensor point is float32's); ``series_names``: the
-    series (default all of ``SERIES``).
+    series (default all of ``SERIES``); ``eager_only``: the eager clips alone, no compiled variant
+    (a change to the eager path measured without a quarter of an hour of compiling).
     """
     cfg = QUICK if quick else FULL
     if dtypes is not None:
         cfg = {**cfg, "dtypes": dtypes}
     if series_names is not None:
         cfg = {**cfg, **{name: [] for name in SERIES if name not in series_names}}
+    if eager_only:
+        cfg = {**cfg, "eager_only": True, "step": [], "dtensor": []}
     total = QUICK_TOTAL if quick else TOTAL
     # On an accelerator the result is a study of its own (sweep_cuda.json), beside the CPU's.
     name = NAME if device == "cpu" else f"{NAME}_{torch.device(device).type}"
@@ -298,8 +302,16 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     parser.add_argument("--dtypes", nargs="+", choices=FULL["dtypes"], help="the dtypes to run (default: both)")
     parser.add_argument("--series", nargs="+", choices=SERIES, help="the series to run (default: all)")
+    parser.add_argument("--eager-only", action="store_true", help="the eager clips alone (no step, no DTensor)")
     args = parser.parse_args()
-    result = run(quick=args.quick, out=args.out, device=args.device, dtypes=args.dtypes, series_names=args.series)
+    result = run(
+        quick=args.quick,
+        out=args.out,
+        device=args.device,
+        dtypes=args.dtypes,
+        series_names=args.series,
+        eager_only=args.eager_only,
+    )
     plot(result, args.out / f"{result['study']}.png")
 
 
