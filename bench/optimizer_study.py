@@ -18,6 +18,9 @@ implementation):
 * ``skip_update``: ``clip_grad_norm_`` then the step inside
   ``skip_update_(skip, params + AdamW state, ...)``, the undo-based skip of
   0.2 (a copy of every parameter and moment), skipping;
+* ``scaled_step_only``: the step as a hand-over runs it, with no norm: the
+  fused kernel given a ``grad_scale`` of 1 (on CPU it writes each gradient
+  back into ``.grad`` as it reads it, as ``GradScaler`` needs);
 * what the floor is made of, no step: ``norm_only``, our norm alone
   (``global_grad_norm``, what the handed clip adds to the step);
   ``torch_norm_only``, torch's (``torch.nn.utils.get_total_norm``,
@@ -82,7 +85,7 @@ QUICK = {
 LEAF = 4096
 EAGER = ("step_only", "torch", "ours_inplace", "handed", "handed_adaptive", "handed_skipped", "skip_update")
 # Parts of a step, timed with the variants (no step in them): the norms alone and one read of the gradients.
-PARTS = ("norm_only", "torch_norm_only", "read_only")
+PARTS = ("scaled_step_only", "norm_only", "torch_norm_only", "read_only")
 COMPILED = ("torch", "ours", "ours_skip_update")
 
 
@@ -105,6 +108,14 @@ def _eager_variants(params: list[torch.nn.Parameter]) -> tuple[dict, dict]:
     grads = [p.grad for p in params]
     flat = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype).uniform_(-1.0, 1.0)
 
+    def scaled_step() -> None:
+        # The fused step as a hand-over runs it, with no norm: a grad_scale of 1 and a clear found_inf.
+        opt.grad_scale, opt.found_inf = torch.ones(()), torch.zeros(())
+        try:
+            opt.step()
+        finally:
+            del opt.grad_scale, opt.found_inf
+
     def ours_then_skippable_step() -> None:
         clip_grad_norm_(params, None, 1.0)
         skip_update_(skip, [*params, *state], opt.step)
@@ -123,6 +134,7 @@ def _eager_variants(params: list[torch.nn.Parameter]) -> tuple[dict, dict]:
             opt.step(),
         ),
         "skip_update": ours_then_skippable_step,
+        "scaled_step_only": scaled_step,
         "norm_only": lambda: global_grad_norm(grads, None),
         "torch_norm_only": lambda: torch.nn.utils.get_total_norm(grads, 2.0, foreach=True),
         "read_only": flat.sum,
