@@ -71,7 +71,8 @@ def catalogue(dtype: torch.dtype) -> dict[str, list[torch.Tensor]]:
         "medium_8192": [r(8192)],
         "many_medium": [r(8192, seed=i) for i in range(40)],
         "100K": [r(100_003)],
-        "many_over_pack": [r(40_001, seed=i) for i in range(30)],  # converted end to end, across blocks
+        "32K": [r(32768, seed=i) for i in range(3)],  # the first size read as rows in place
+        "many_over_pack": [r(40_001, seed=i) for i in range(30)],  # 1.2 M elements across block ends
         "over_1M": [r(1_200_001)],
         "transposed": [r(1500, 700).t()],
         "column_slice": [r(700, 1501)[:, :1500]],
