@@ -246,6 +246,9 @@ def test_optimizer_schema_and_what_a_skipped_step_allocates(results: pathlib.Pat
     for s in data["settings"]:
         _positive_numbers(s["eager_ms"], f"{s['setting']} eager_ms")
         _positive_numbers(s["eager_ratio_vs_torch"], f"{s['setting']} eager_ratio_vs_torch")
+        # What the handed step's time is made of, each over the fused step alone.
+        _positive_numbers(s["eager_ratio_vs_step"], f"{s['setting']} eager_ratio_vs_step")
+        assert {"scaled_step_only", "norm_only", "torch_norm_only", "read_only"} <= set(s["eager_ratio_vs_step"])
         b = s["bytes_allocated"]
         # Not a timing: what is allocated. A step skipped by the fused kernel allocates nothing
         # beyond the norm's own statistics; the undo-based skip copies every parameter at least.
@@ -268,3 +271,19 @@ def test_busy_study_times_both_clips_idle_and_with_the_other_cores_busy(tmp_path
             # Every core but the first spins while the busy conditions are timed.
             assert c["spinners"] == (data["cores"] - 1 if load == "busy" else 0), c
             _positive_numbers({**c["ms"], "ratio": c["ours_over_torch"]}, f"{point['dtype']} {load} {threads}")
+
+
+def test_sweep_eager_only_times_the_eager_clips_and_compiles_nothing(tmp_path: pathlib.Path):
+    flags = ["--quick", "--eager-only", "--dtypes", "float32", "--out", str(tmp_path)]
+    cmd = [python(), "-m", "bench.sweep_study", *flags]
+    code, log, leftovers = run_bounded(cmd, 180)
+    assert not leftovers, f"processes left behind: {leftovers}"
+    assert code == 0, f"sweep_study exited with {code}:\n{log[-4000:]}"
+    data = _load(tmp_path, "sweep")
+    points = data["series"]["fixed_total"] + data["series"]["fixed_leaf"]
+    assert points and not data["series"]["step"] and not data["series"]["dtensor"]
+    for p in points:
+        assert set(p["ms"]) == {"torch_eager", "ours_eager"}, p["ms"]
+        assert not p["compile_s"], p["compile_s"]
+        _positive_numbers({**p["ms"], **p["ratio_ours_over_torch"]}, f"{p['leaves']} x {p['leaf_size']}")
+        assert p["rel_error"]["ours_eager"] < 1e-6, p["rel_error"]
