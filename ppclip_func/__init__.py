@@ -20,6 +20,7 @@ from ._optim import adaptive_clip_grad_norm_in_optimizer, clip_grad_norm_in_opti
 from ._params import ParamIndex, param_norm_index
 from ._stateful import AdaGCStateful, ClipStateful
 from ._torch import UnsupportedTorchError, UntestedTorchWarning, warn_if_untested
+from ._write import write_back_
 
 __all__ = [
     # Measure, apply, or both (pure).
@@ -53,6 +54,8 @@ __all__ = [
     # The adaptive state in a checkpoint (torch.distributed.checkpoint, torchtitan).
     "ClipStateful",
     "AdaGCStateful",
+    # A step's new state written into the tensors that persist, right inside a compiled or captured step.
+    "write_back_",
     # A torch release without an internal the clip needs (raised at its first call); one newer than tested.
     "UnsupportedTorchError",
     "UntestedTorchWarning",

@@ -55,6 +55,7 @@ from torch.utils import _pytree as pytree
 
 from ._devices import scalar
 from ._scale import own_buffer
+from ._write import copy_into_
 
 __all__: list[str] = []
 
@@ -305,14 +306,13 @@ def skip_update_(skip: torch.Tensor, tensors: Iterable[torch.Tensor] | Any, upda
     saved = [t.clone() for t in flat]
     result = update()
     if torch.compiler.is_compiling():
-        # One _foreach_copy_, not a copy_ per tensor: with torch 2.13, a tensor.copy_ after
-        # _foreach_add_ on the same 0-dim tensor (AdamW's step count) is dropped from the graph
-        # (measured: the count stayed incremented under aot_eager); _foreach_copy_ is kept.
-        # Inductor fuses the select into the copy.
+        # Written by the package's write-back op, not by a copy_ that inductor sees through: it could
+        # compute a selected value into a tensor's memory before a kernel that still reads the old value
+        # (_write.py); a separate Tensor.copy_ can be dropped from the graph (torch 2.11 to 2.13).
         # The decision is a buffer of its own (own_buffer), computed once, not in every element's select.
         if flat:
             skip = own_buffer(skip)
-            torch._foreach_copy_(flat, [torch.where(skip.to(t.device), old, t) for t, old in zip(flat, saved)])
+            copy_into_(flat, [torch.where(skip.to(t.device), old, t) for t, old in zip(flat, saved)])
     else:
         # Eager: the select written in place, no new tensor per leaf (each would page-fault in).
         for t, old in zip(flat, saved):

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from ._adagc import AdaGCState, init_adagc_state
 from ._adaptive import ClipState, init_clip_state
 from ._params import ParamIndex
+from ._write import copy_into_
 
 __all__ = ["AdaGCStateful", "ClipStateful"]
 
@@ -93,11 +94,10 @@ class ClipStateful(Stateful):
         ``clip.state``'s tensors keep their storage, so a step captured in a
         CUDA graph (``torch.cuda.graph``) that reads ``clip.state`` and ends
         with ``clip.update_(stats.state)`` carries the statistics from one
-        replay to the next. One ``_foreach_copy_``, no host read. Inside a
-        ``torch.compile``d function, also return the new state (or call
-        this after the compiled call): torch 2.13's and 2.14's inductor were seen to
-        write wrong values when the copy's sources were not outputs of the
-        graph (docs/cuda-graphs.md).
+        replay to the next. Inside a ``torch.compile``d step it is right
+        whatever the step returns: the write is one op that declares what it
+        mutates (:func:`~ppclip_func.write_back_`), which inductor runs after
+        every read of the old statistics. One ``_foreach_copy_``, no host read.
 
         Raises:
             TypeError: ``state`` is not a :class:`ClipState` of 0-dim tensors
@@ -138,9 +138,7 @@ class ClipStateful(Stateful):
                 raise TypeError(f"state_dict[{key!r}] must be a tensor, got {type(value).__name__}")
             if value.dim() != 0:
                 raise ValueError(f"state_dict[{key!r}] must be a 0-dim tensor, got shape {tuple(value.shape)}")
-        with torch.no_grad():
-            for key, own in zip(_KEYS, self._state):
-                own.copy_(state_dict[key].detach())
+        copy_into_(list(self._state), [state_dict[k].detach().to(own) for k, own in zip(_KEYS, self._state)])
 
     def __repr__(self) -> str:
         return f"ClipStateful({self._state!r})"
@@ -241,9 +239,8 @@ class AdaGCStateful(Stateful):
             if value.dim() != 0:
                 raise ValueError(f"state_dict {key} must be a 0-dim tensor, got shape {tuple(value.shape)}")
         own = self._state
-        with torch.no_grad():
-            own.count.copy_(count.detach())
-            own.gamma.copy_(torch.stack([gamma[n].detach().to(own.gamma) for n in self.index.names]))
+        new_gamma = torch.stack([gamma[n].detach().to(own.gamma) for n in self.index.names])
+        copy_into_([own.count, own.gamma], [count.detach().to(own.count), new_gamma])
 
     def __repr__(self) -> str:
         return f"AdaGCStateful({self._state!r})"
@@ -258,5 +255,4 @@ def _copy_into(own: tuple[torch.Tensor, ...], new: Any, kind: type, name: str) -
         raise TypeError(
             f"state must be a {name} of tensors like the holder's ({want}): a step's stats.state, got {new!r}"
         )
-    with torch.no_grad():
-        torch._foreach_copy_(list(own), list(new))
+    copy_into_(list(own), list(new))
