@@ -20,13 +20,13 @@ LINTED := ppclip_func tests bench demo
 TORCH_RELEASES := 2.11.0 2.12.1 2.13.0 2.14.1
 TORCH_OLDEST := $(firstword $(TORCH_RELEASES))
 # The tests that start real gloo ranks, fake process groups or compiled collectives: where torch's
-# distributed internals move between releases. `make test-oldest` runs them on TORCH_OLDEST in CI.
+# distributed internals (and inductor's handling of state written in place) move between releases. `make test-oldest` runs them on TORCH_OLDEST in CI.
 DIST_TESTS := tests/test_agree_ranks.py tests/test_distributed_small.py tests/test_layouts.py \
 	tests/test_adagc_ranks.py tests/test_param_norms_ranks.py tests/test_optimizer_handoff_ranks.py \
 	tests/test_compile_fake_pg.py tests/test_pipeline_mesh.py tests/test_process_groups.py \
-	tests/test_torch_versions.py
+	tests/test_torch_versions.py tests/test_write_back.py
 
-.PHONY: demo demo-spike test test-quick test-dist test-torch test-torch-all test-oldest test-pythons lint bench clean
+.PHONY: demo demo-spike test test-quick test-dist test-torch test-torch-all test-oldest test-pythons gpu-check lint bench clean
 
 # torchtitan 0.3.0 is a test dependency (tests/test_torchtitan.py runs its own meshes, models and
 # parallelisms), installed without its dependencies (datasets, wandb, torchdata, ...): the parts
@@ -114,6 +114,21 @@ test-pythons:
 	done; \
 	echo "test-quick passed on Python:$${ran:- none}; failed on:$${failed:- none}; not on this machine:$${missing:- none}"; \
 	[ -z "$$failed" ] && [ -n "$$ran" ]
+
+# On a machine with a CUDA GPU, in one command (under 8 minutes on one GPU): the GPU tests (CUDA-graph
+# capture both ways, the write-back inside a captured graph, the ranks-agree check on CUDA), the
+# write-back's CPU forms on that machine's torch, and the capture study into bench/results/gpu.json.
+# GPU_PYTHON is a Python whose torch is a CUDA build, with pytest and hypothesis (the package is
+# read from this tree: nothing is installed). Every step runs, under its own time limit; the target
+# fails if any did. Record what it shows in bench/README.md.
+GPU_PYTHON ?= python3
+gpu-check:
+	@$(GPU_PYTHON) -c 'import torch, sys; print("torch", torch.__version__, "cuda", torch.cuda.is_available()); sys.exit(not torch.cuda.is_available())'
+	@status=0; \
+	PYTHONPATH=$(CURDIR) timeout 330 $(GPU_PYTHON) -m pytest -p no:cacheprovider -q -rs \
+		tests/test_cuda_graphs.py tests/test_agree_cuda.py tests/test_write_back.py || status=1; \
+	PYTHONPATH=$(CURDIR) timeout 120 $(GPU_PYTHON) -m bench.gpu_study --capture-only || status=1; \
+	exit $$status
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -45,6 +45,8 @@ from ppclip_func import (
     clip_grad_norm_by_group_,
     clip_grad_norm_in_optimizer,
     param_norm_index,
+    select_update,
+    write_back_,
 )
 from tests._collectives import CollectiveCounter
 from tests._fake_pg import one_rank_world
@@ -256,6 +258,22 @@ def _variants(mesh: DeviceMesh | None) -> dict[str, Callable[[], Callable[[int],
 
         return m, step, {"state": clip.state, "opt": opt}
 
+    def functional_written_back():
+        # The functional recipe's end (docs/cuda-graphs.md): the pure clip, an update selected against a
+        # skip, and every new value written into the persistent tensors by one write_back_.
+        m, clip = Model(), ClipStateful()
+        params = {n: p.detach() for n, p in m.params.items()}
+
+        def step():
+            grads, stats = adaptive_clip_grad_norm(
+                {n: p.grad for n, p in m.params.items()}, mesh, clip.state, **ADAPTIVE
+            )
+            new = {n: p - 1e-2 * grads[n] for n, p in params.items()}
+            write_back_((params, clip.state), (select_update(stats.skip, new, params), stats.state))
+            return {"skip": stats.skip, "threshold": stats.threshold}
+
+        return m, step, {"state": clip.state}
+
     return {
         f.__name__: f
         for f in (
@@ -267,6 +285,7 @@ def _variants(mesh: DeviceMesh | None) -> dict[str, Callable[[], Callable[[int],
             per_group_,
             handed_fused_adamw,
             adaptive_handed_fused_adamw,
+            functional_written_back,
         )
     }
 
@@ -322,7 +341,9 @@ def test_after_warm_up_every_step_reads_nothing_on_the_host_and_runs_the_same_op
     assert all(c == ["_c10d_functional.all_reduce"] for c in collectives), collectives
 
 
-@pytest.mark.parametrize("variant", ["adaptive_", "adaptive_pure", "adagc_", "adaptive_handed_fused_adamw"])
+@pytest.mark.parametrize(
+    "variant", ["adaptive_", "adaptive_pure", "adagc_", "adaptive_handed_fused_adamw", "functional_written_back"]
+)
 def test_the_state_lives_in_the_same_tensors_written_in_place_and_equals_the_pure_steps(
     one_rank_mesh, as_on_cuda, variant
 ):

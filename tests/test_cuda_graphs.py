@@ -54,6 +54,7 @@ from ppclip_func import (
     param_norm_index,
     select_update,
     skip_update_,
+    write_back_,
 )
 from tests._collectives import CollectiveCounter
 from tests.test_capture_contract import ADAPTIVE, GROUPS, SCALES, WARMUP, Model
@@ -213,14 +214,25 @@ def _pure_step(kind: str, model: GpuModel, mesh: DeviceMesh) -> tuple[PureStep, 
 
 
 def _written_back(step: PureStep, persistent: list[torch.Tensor]) -> Step:
-    """``step``, its next values copied into the persistent tensors after it, outside the graph. (Inside it,
-    torch 2.13's inductor can write one destination of a ``_foreach_copy_`` into graph inputs before
-    another source that reads it is computed: ``ClipState``'s variance came out wrong on the CPU.)"""
+    """``step``, its next values copied into the persistent tensors after it, outside the graph (a hand-written
+    ``_foreach_copy_`` is right there; inside a compiled graph, see :func:`_written_back_inside`)."""
 
     def run() -> dict[str, torch.Tensor]:
         new, out = step()
         with torch.no_grad():
             torch._foreach_copy_(persistent, new)
+        return out
+
+    return run
+
+
+def _written_back_inside(step: PureStep, persistent: list[torch.Tensor]) -> Step:
+    """``step`` with its next values written into the persistent tensors by ``write_back_``, inside the same
+    function, which returns only the step's results: docs/cuda-graphs.md's recipe."""
+
+    def run() -> dict[str, torch.Tensor]:
+        new, out = step()
+        write_back_(persistent, new)
         return out
 
     return run
@@ -264,6 +276,41 @@ def test_reduce_overhead_records_the_step_once_and_its_replays_equal_eager(mesh,
     assert counters["inductor"]["cudagraph_partitions"] == 0  # the graph was not split around an unsafe op
     assert counters["stats"]["unique_graphs"] == 1
     assert (len(recorded), len(replayed)) == (1, len(SCALES) - RECORDED)
+    _assert_same_runs(got, want, rel=1e-6)
+    _assert_skips(got, _skipped(kind))
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("kind", ["adaptive", "adagc"])
+def test_reduce_overhead_with_the_write_back_in_the_graph_equals_eager(mesh, kind, monkeypatch):
+    """The recipe as docs/cuda-graphs.md writes it: the persistent tensors marked static, written inside the
+    captured graph by ``write_back_``, the state not returned; recorded once, replayed, equal to eager."""
+    from torch._inductor.cudagraph_trees import CUDAGraphTreeManager
+
+    eager_model = GpuModel()
+    eager_step, eager_persistent, eager_held = _pure_step(kind, eager_model, mesh)
+    want = _eager_run(_written_back(eager_step, eager_persistent), eager_model, eager_held)
+
+    torch._dynamo.reset()
+    counters.clear()
+    recorded = _calls(monkeypatch, CUDAGraphTreeManager, "record_function")
+    model = GpuModel()
+    step, persistent, held = _pure_step(kind, model, mesh)
+    for t in persistent:
+        torch._dynamo.mark_static_address(t)
+    storage = [t.data_ptr() for t in persistent]
+    compiled = torch.compile(_written_back_inside(step, persistent), mode="reduce-overhead", fullgraph=True)
+    got = []
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for i in range(len(SCALES)):
+            with no_host_sync() if i >= RECORDED else contextlib.nullcontext():
+                model.set_grads(i)
+                torch.compiler.cudagraph_mark_step_begin()
+                got.append(_snapshot(compiled(), held))
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    assert counters["stats"]["unique_graphs"] == 1
+    assert len(recorded) == 1
+    assert [t.data_ptr() for t in persistent] == storage
     _assert_same_runs(got, want, rel=1e-6)
     _assert_skips(got, _skipped(kind))
     torch._dynamo.reset()

@@ -32,7 +32,7 @@ from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 
-from ppclip_func import adaptive_clip_grad_norm_, init_clip_state
+from ppclip_func import adaptive_clip_grad_norm_, init_clip_state, write_back_
 from tests._fake_pg import one_rank_world
 from tests.test_compile_fake_pg import HOST_SYNC_OPS, CaptureBackend, aten_ops
 
@@ -100,10 +100,11 @@ def _record(run: dict, loss: torch.Tensor, stats, params: dict[str, torch.Tensor
     run["thresholds"].append(float(stats.threshold))
     run["skips"].append(bool(stats.skip))
     run["params"].append({n: p.detach().clone() for n, p in params.items()})
+    run["clip_states"].append([t.detach().clone() for t in stats.state])
 
 
 def _empty_run() -> dict:
-    return {"losses": [], "norms": [], "thresholds": [], "skips": [], "params": []}
+    return {"losses": [], "norms": [], "thresholds": [], "skips": [], "params": [], "clip_states": []}
 
 
 @pytest.fixture(scope="module")
@@ -204,43 +205,67 @@ def test_the_compiled_step_equals_eager_torch_at_every_step(compiled_run, one_ra
 
 def test_the_step_written_back_in_place_as_docs_cuda_graphs_captures_it(compiled_run, one_rank_mesh):
     """docs/cuda-graphs.md's first recipe: the state in tensors marked static, the step's results written
-    back into them inside the compiled step. On the CPU ``mode="reduce-overhead"`` captures nothing; the
-    graph is the one a GPU would capture: one graph, no recompile, the state's storage kept, and each
-    step's parameters, norm, threshold and skip those of the pure step, its clip statistics (every field,
-    the variance included) too."""
+    back into them inside the compiled step by one ``write_back_``, the step returning only its loss. On
+    the CPU ``mode="reduce-overhead"`` captures nothing; the graph is the one a GPU would capture: one
+    graph, no recompile, no host sync, the state's storage kept, and after each step the parameters, the
+    optimizer's moments and step counts and the clip's statistics (every field) those of the pure step."""
     torch._dynamo.reset()
     counters.clear()
     model = example.make_model()
-    params, opt_state, clip_state = example.init_state(model)
-    persistent = pytree.tree_leaves((params, opt_state, clip_state))
-    for t in persistent:
+    persistent = example.init_state(model)
+    params, opt_state, clip_state = persistent
+    leaves = pytree.tree_leaves(persistent)
+    for t in leaves:
         torch._dynamo.mark_static_address(t)
     train_step = example.make_train_step(model, one_rank_mesh)
 
     @torch.compile(mode="reduce-overhead", fullgraph=True)
     def captured_step(x, y):
-        *new, loss, stats = train_step(params, opt_state, clip_state, x, y)
-        torch._foreach_copy_(persistent, pytree.tree_leaves(new))
-        return loss, stats
+        *new, loss, _stats = train_step(*persistent, x, y)
+        write_back_(persistent, tuple(new))
+        return loss
 
-    storage = [t.data_ptr() for t in persistent]
+    storage = [t.data_ptr() for t in leaves]
     with torch._dynamo.config.patch(error_on_recompile=True):
         for i, (x, y) in enumerate(batches()):
             torch.compiler.cudagraph_mark_step_begin()
-            _, stats = captured_step(x, y)
-            got = (float(stats.total_norm), float(stats.threshold), bool(stats.skip))
-            want = tuple(compiled_run[k][i] for k in ("norms", "thresholds", "skips"))
-            assert got == pytest.approx(want, rel=REL, nan_ok=True), f"step {i}: {got} vs the pure step's {want}"
+            captured_step(x, y)
             for name, want in compiled_run["params"][i].items():
                 err = float((params[name] - want).abs().max() / want.abs().max())
                 assert err <= REL, f"step {i}, {name}: relative error {err:.3g} > {REL:g}"
+            for field, got, want in zip(clip_state._fields, clip_state, compiled_run["clip_states"][i]):
+                assert torch.allclose(got, want, rtol=REL, atol=0.0, equal_nan=True), f"step {i}, {field}"
     assert counters["stats"]["unique_graphs"] == 1
     assert dict(counters["graph_break"]) == {}
-    assert [t.data_ptr() for t in persistent] == storage
+    assert [t.data_ptr() for t in leaves] == storage
+    assert {n: float(t) for n, t in opt_state["step"].items()} == compiled_run["adamw_steps"]
     assert int(clip_state.count) == STEPS - 1  # the NaN step left the statistics alone
-    for field, got, want in zip(clip_state._fields, clip_state, compiled_run["clip_state"]):
-        assert torch.allclose(got, want, rtol=REL, atol=0.0, equal_nan=True), f"{field}: {got} vs {want}"
     torch._dynamo.reset()
+
+
+def test_the_written_back_step_reads_nothing_on_the_host_and_writes_the_state_once(one_rank_mesh):
+    """The recipe's aten graph: no host sync, and the whole state written by the one write-back op."""
+    torch._dynamo.reset()
+    model = example.make_model()
+    persistent = example.init_state(model)
+    train_step = example.make_train_step(model, one_rank_mesh)
+    backend = CaptureBackend()
+
+    @torch.compile(backend=backend, fullgraph=True)
+    def captured_step(x, y):
+        *new, loss, _ = train_step(*persistent, x, y)
+        write_back_(persistent, tuple(new))
+        return loss
+
+    for x, y in batches()[:2]:
+        captured_step(x, y)
+    torch._dynamo.reset()
+    assert backend.frames == 1 and len(backend.aten) == 1
+    graph = backend.aten[0].graph
+    ops = aten_ops(backend.aten[0])
+    assert [op for op in ops if op in HOST_SYNC_OPS] == []
+    writes = [n for n in graph.nodes if n.op == "call_function" and "write_back" in str(n.args) + str(n.target)]
+    assert len(writes) == 1, [str(n) for n in writes]
 
 
 def test_a_skipped_step_moves_nothing(compiled_run):
