@@ -48,7 +48,6 @@ from ._norms import NormKind, norm_kind
 from ._params import ParamIndex
 from ._paths import GroupSpec, TiedSpec
 from ._scale import clip_coefficient, finite_mask, scale
-from ._write import copy_into_
 
 __all__: list[str] = []
 
@@ -133,10 +132,13 @@ def _hand_to_fused(opt: Optimizer, coef: torch.Tensor, skip: torch.Tensor | None
         buffers = opt.__dict__[_BUFFERS] = (zero, zero.clone())
     grad_scale, found_inf = buffers
     # The kernel divides by grad_scale in float32; 1 / coef is exact where coef is a power of two
-    # and otherwise within one rounding of multiplying by coef. Both written by the package's one
-    # write-back op (_write.py), as every piece of state it keeps in place.
-    found = torch.zeros_like(found_inf) if skip is None else skip.to(device=found_inf.device, dtype=torch.float32)
-    copy_into_([grad_scale, found_inf], [torch.reciprocal(coef.to(torch.float32)), found])
+    # and otherwise within one rounding of multiplying by coef. Plain in-place ops: this function is
+    # never traced (torch.compiler.disable), so inductor never orders them (_write.py).
+    torch.reciprocal(coef.to(torch.float32), out=grad_scale)
+    if skip is None:
+        found_inf.zero_()
+    else:
+        found_inf.copy_(skip)
     handed = opt.__dict__.get(_HANDED)
     if handed is None:  # not stepped since an earlier hand-over: this one replaces it
         handed = opt.__dict__[_HANDED] = {"hook": opt.register_step_post_hook(_take_back)}

@@ -20,7 +20,26 @@ the new values are computed into buffers of their own by kernels that run
 before it (every read of the old values included), and the op then copies
 them, with one ``_foreach_copy_`` (one multi-tensor launch per device and
 dtype on a GPU). It is right whatever the step returns, on every release
-tested, and eager it is the same ``_foreach_copy_``.
+tested, and eager it is the same ``_foreach_copy_``. Where the persistent
+tensors were not written earlier in the step (the functional recipe, the
+adaptive state), inductor hands the op the persistent tensors themselves:
+the new values are computed into buffers and copied once.
+
+Three in-place writes are left as they are, each for a reason:
+
+* the in-place clips' scaling of ``.grad`` (one ``_foreach_mul_``), which
+  inductor fuses with the optimizer's read of the gradients: no kernel of
+  the step needs the unscaled gradients after it;
+* :func:`~ppclip_func.skip_update_`'s undo, one ``_foreach_copy_`` of
+  ``where(skip, saved, updated)`` that inductor fuses with the update: the
+  update has already written those tensors, so through the op inductor
+  would copy them out and back around it (2.6x the compiled step);
+* the optimizer hand-over's ``grad_scale`` and ``found_inf``, written by a
+  function that is never traced (``torch.compiler.disable``).
+
+``tests/test_write_back.py`` checks the compiled steps that use each of
+them, returning nothing, against the same steps run eagerly, on every
+torch release tested.
 """
 
 from __future__ import annotations

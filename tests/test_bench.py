@@ -273,6 +273,18 @@ def test_busy_study_times_both_clips_idle_and_with_the_other_cores_busy(tmp_path
             _positive_numbers({**c["ms"], "ratio": c["ours_over_torch"]}, f"{point['dtype']} {load} {threads}")
 
 
+def test_write_back_study_times_each_way_of_keeping_the_state_and_they_agree(tmp_path: pathlib.Path):
+    cmd = [python(), "-m", "bench.write_back_study", "--quick", "--out", str(tmp_path)]
+    code, log, leftovers = run_bounded(cmd, 240)
+    assert not leftovers, f"processes left behind: {leftovers}"
+    assert code == 0, f"write_back_study exited with {code}:\n{log[-4000:]}"
+    data = _load(tmp_path, "write_back")
+    assert set(data["ms"]) == {"returned", "write_back", "copied_after", "in_place"}
+    _positive_numbers({**data["ms"], **data["ratio_vs_returned"]}, "write_back")
+    # The same steps from the same state, the state kept three ways: the same state at the end.
+    assert max(data["max_rel_diff_vs_returned"].values()) < 1e-6, data["max_rel_diff_vs_returned"]
+
+
 def test_sweep_eager_only_times_the_eager_clips_and_compiles_nothing(tmp_path: pathlib.Path):
     flags = ["--quick", "--eager-only", "--dtypes", "float32", "--out", str(tmp_path)]
     cmd = [python(), "-m", "bench.sweep_study", *flags]
