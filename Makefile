@@ -28,6 +28,14 @@ DIST_TESTS := tests/test_agree_ranks.py tests/test_distributed_small.py tests/te
 
 .PHONY: demo demo-spike test test-quick test-dist test-torch test-torch-all test-oldest test-pythons gpu-check lint bench clean
 
+# OLMo-core 3.0.0 for tests/test_olmo_core.py, without its dependencies: it asks torch < 2.14, which
+# would make pip replace the venv's torch, and cached-path (imported at module level) brings boto3 and
+# google-cloud-storage; the tests put a local-paths-only stand-in where cached-path is missing. These are
+# the small packages the modules the tests use import (pip keeps any already there). On a torch it
+# refuses (>= 2.14) its tests skip, saying so, and nothing else changes.
+OLMO_CORE := ai2-olmo-core==3.0.0 rich markdown-it-py mdurl dataclass-extensions requests urllib3 \
+	charset-normalizer certifi bettermap dill
+
 # torchtitan 0.3.0 is a test dependency (tests/test_torchtitan.py runs its own meshes, models and
 # parallelisms), installed without its dependencies (datasets, wandb, torchdata, ...): the parts
 # the tests use import only what the test extra brings. It needs Python >= 3.11: on 3.10 it is not
@@ -36,13 +44,14 @@ $(STAMP): pyproject.toml
 	@$(PY) -c 'import sys; v = sys.argv[1].split(); sys.exit(sys.version_info[:2] != (int(v[0]), int(v[1])))' \
 		"$$($(PYTHON) -c 'import sys; print(*sys.version_info[:2])')" 2>/dev/null || $(PYTHON) -m venv --clear $(VENV)
 	$(PY) -m pip install --quiet $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) torch==$(TORCH) numpy
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) -e '.[test]' torch==$(TORCH)
 	@if $(PY) -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then \
 		echo "$(PY) -m pip install --quiet --no-deps torchtitan==0.3.0"; \
 		$(PY) -m pip install --quiet --no-deps torchtitan==0.3.0; \
 	else \
 		echo "Python < 3.11: torchtitan 0.3.0 (Python >= 3.11) is not installed; its tests will skip"; \
 	fi
+	$(PY) -m pip install --quiet --no-deps $(OLMO_CORE)
 	touch $@
 
 # matplotlib for the plots: a bench-only extra (torchtitan's clip, study 3's baseline, comes with the tests').
