@@ -18,6 +18,7 @@ from ._api import (
 from ._group_clip import clip_grad_norm_by_group, clip_grad_norm_by_group_
 from ._optim import adaptive_clip_grad_norm_in_optimizer, clip_grad_norm_in_optimizer
 from ._params import ParamIndex, param_norm_index
+from ._record import ClipRecorder, ParamNormStats, StepRecord
 from ._stateful import AdaGCStateful, ClipStateful
 from ._torch import UnsupportedTorchError, UntestedTorchWarning, warn_if_untested
 from ._write import write_back_
@@ -54,6 +55,10 @@ __all__ = [
     # The adaptive state in a checkpoint (torch.distributed.checkpoint, torchtitan).
     "ClipStateful",
     "AdaGCStateful",
+    # Each step's statistics kept on the device and read later, the parameters behind a spike named.
+    "ClipRecorder",
+    "StepRecord",
+    "ParamNormStats",
     # A step's new state written into the tensors that persist, right inside a compiled or captured step.
     "write_back_",
     # A torch release without an internal the clip needs (raised at its first call); one newer than tested.
