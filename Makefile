@@ -62,7 +62,8 @@ $(BENCH_STAMP): $(STAMP)
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m demo
 
-# A gradient spike on the same 8-rank model: fixed threshold vs adaptive vs skipping (demo/spike.py).
+# A gradient spike on the same 8-rank model: fixed threshold vs adaptive vs skipping vs AdaGC (demo/spike.py);
+# the adaptive run's record (JSON lines), the layers it names and its heatmap go to spike-record/.
 demo-spike: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m demo.spike
 

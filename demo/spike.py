@@ -27,11 +27,23 @@ Rank 0 prints the losses side by side, the norm, each run's threshold and
 skip decision, and, at the spike, the parameters whose gradient norm grew
 the most (per-parameter norms of the whole model, from the clip's one
 collective).
+
+The two adaptive runs also record every step with a
+:class:`~ppclip_func.ClipRecorder` (on the device, read on the host one step
+later): ``--record-dir`` (default ``spike-record``) receives
+``<run>.jsonl``, the host-synced values of the same steps as
+``<run>.host.json`` (what ``tests/test_demo_spike.py`` compares the record
+with), and, where matplotlib is installed, ``adaptive.png``: the heatmap of
+every parameter's norm over the steps with the threshold, the clipped and
+skipped steps and the parameters the recorder named at the spike
+(``python -m ppclip_func.plot``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import time
 
@@ -51,6 +63,7 @@ MODES = ("fixed", "adaptive", "skip", "adagc")
 def _train(mode: str, args: argparse.Namespace, cfg: ModelConfig, data: list, mesh, say) -> list[dict]:
     """One training run on this rank; returns per-step records (meaningful on rank 0)."""
     from ppclip_func import (
+        ClipRecorder,
         adagc_clip_grad_norm_,
         adaptive_clip_grad_norm_,
         clip_grad_norm_,
@@ -73,6 +86,12 @@ def _train(mode: str, args: argparse.Namespace, cfg: ModelConfig, data: list, me
         loss=lambda logits, targets: loss_fn(logits, targets) * scale[0],
     )  # fmt: skip
     index = param_norm_index(named, mesh)  # once: the names of every stage's parameters
+    # Every rank records (the same all-reduced values); rank 0 reads them and writes the JSON lines.
+    recording = mode in ("adaptive", "skip") and args.record_dir is not None
+    path = f"{args.record_dir}/{mode}.jsonl" if recording and torch.distributed.get_rank() == 0 else None
+    if path is not None:
+        open(path, "w").close()
+    recorder = ClipRecorder(index, top_k=3, warmup=args.warmup, path=path) if recording else None
     state = init_clip_state()
     adagc_state = init_adagc_state(index)
     per_dp = args.batch // args.dp
@@ -100,6 +119,8 @@ def _train(mode: str, args: argparse.Namespace, cfg: ModelConfig, data: list, me
                 norm, threshold, skip, param_norms, state = (
                     stats.total_norm, stats.threshold, stats.skip, stats.param_norms, stats.state,
                 )  # fmt: skip
+                if recorder is not None:
+                    recorder.record(stats)  # on the device: no host read in the step
                 if mode == "skip":
                     optimizer_state = [*params, *adam.exp_avgs, *adam.exp_avg_sqs, *adam.steps]
                     skip_update_(skip, optimizer_state, adam.step)
@@ -112,11 +133,16 @@ def _train(mode: str, args: argparse.Namespace, cfg: ModelConfig, data: list, me
         if pipeline.last:
             loss += torch.stack(losses).detach().mean().double() / scale[0] / (args.dp * args.tp)
         torch.distributed.all_reduce(loss)
+        if recorder is not None:
+            recorder.read()  # the steps recorded before this one (on a GPU, their copy is done by now)
+            recorder.flush()  # this step's row on its way to the host
+        # The table's values, read on the host right after the step: the reference for the record.
         records.append(
             {
                 "loss": float(loss),
                 "norm": float(norm),
                 "threshold": float(threshold),
+                "zscore": float(stats.zscore) if mode in ("adaptive", "skip") else None,
                 "skip": bool(skip),
                 "param_norms": None if param_norms is None else dict(zip(index.names, param_norms.tolist())),
             }
@@ -124,6 +150,11 @@ def _train(mode: str, args: argparse.Namespace, cfg: ModelConfig, data: list, me
         if step + 1 == args.spike_step:
             what = "smallest coefficient" if mode == "adagc" else "threshold"
             say(f"  {mode}: spike at step {step + 1}: norm {float(norm):.1f}, {what} {float(threshold):.3g}")
+    if recorder is not None:
+        recorder.read(wait=True)  # the last step's
+    if path is not None:
+        with open(f"{args.record_dir}/{mode}.host.json", "w") as f:
+            json.dump(records, f)
     return records
 
 
@@ -173,6 +204,28 @@ def _report(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
         )
 
 
+def _report_record(args: argparse.Namespace) -> None:
+    """What the adaptive run's recorder named at the anomalous steps, and its picture."""
+    from ppclip_func.plot import plot_record, read_jsonl
+
+    path = f"{args.record_dir}/adaptive.jsonl"
+    lines = read_jsonl(path)
+    print(f"\nrecorded on the device, read one step later: {path} ({len(lines)} steps)")
+    for line in lines:
+        if line["spiked"]:
+            named = ", ".join(f"{s['name']} (z {s['zscore']:.3g})" for s in line["spiked"])
+            what = "skipped" if line["skipped"] else f"clipped to {line['threshold']:.3g}"
+            print(f"  step {line['step']}: norm {line['total']:.3g}, {what}; named: {named}")
+    try:
+        picture = plot_record(
+            lines, f"{args.record_dir}/adaptive.png", title="adaptive clip: gradient norms by parameter"
+        )
+    except ImportError as e:
+        print(f"  no picture: {e}")
+    else:
+        print(f"  heatmap of every parameter's norm over the steps: {picture}")
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m demo.spike", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
@@ -192,7 +245,15 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument(
+        "--record-dir",
+        default="spike-record",
+        help="where the adaptive runs' records and heatmap go (default spike-record; '' for none)",
+    )
     args = parser.parse_args(argv)
+    args.record_dir = args.record_dir or None
+    if args.record_dir is not None:
+        os.makedirs(args.record_dir, exist_ok=True)
     # The model and mesh of `python -m demo`'s defaults.
     vars(args).update(pp=2, dp=2, tp=2, layers=2, dim=64, seq_len=32, batch=8, microbatches=4)
     if not args.warmup < args.spike_step <= args.steps:
@@ -215,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"the distributed run failed:\n{e}", file=sys.stderr)
         return 1
     _report(args, runs)
+    if args.record_dir is not None:
+        _report_record(args)
     print(f"done in {time.monotonic() - t0:.0f} s")
     return 0
 

@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from ._adaptive import ClipStats
 from ._params import ParamIndex
-from ._write import copy_into_
+from ._write import LIBRARY, copy_into_
 
 __all__ = ["ClipRecorder", "ParamNormStats", "StepRecord"]
 
@@ -75,8 +75,9 @@ class StepRecord:
     """One step as recorded: plain Python values, read on the host after the step.
 
     Attributes:
-        step: The step's number: how many steps the recorder had recorded
-            before it (from the start of the run, across restarts).
+        step: The step's number, counting from 1: how many steps the
+            recorder has recorded, this one included (from the start of the
+            run, across restarts).
         total: The global norm before clipping.
         threshold: The norm the step clipped to (``inf`` without one).
         zscore: The total's z-score against the clip's statistics (``nan``
@@ -87,8 +88,9 @@ class StepRecord:
         param_norms: Every parameter's norm by name, or ``None`` without an
             index.
         spiked: On a clipped or skipped step, the parameters whose norm is
-            furthest above their own running statistics, largest z-score
-            first, as ``{"name", "zscore", "norm"}``; ``[]`` otherwise.
+            furthest above their own running statistics (up to ``top_k``,
+            each with a positive z-score), largest first, as
+            ``{"name", "zscore", "norm"}``; ``[]`` otherwise.
     """
 
     step: int
@@ -162,7 +164,7 @@ class ClipRecorder(Stateful):
         >>> recorder.flush()  # outside the step: one copy to the host
         >>> last = recorder.read()[-1]
         >>> last.step, last.clipped, [s["name"] for s in last.spiked]
-        (5, True, ['w'])
+        (6, True, ['w'])
         >>> last.metrics()["grad_norm/w"]
         100.0
     """
@@ -187,7 +189,7 @@ class ClipRecorder(Stateful):
         device = torch.device(device) if device is not None else torch.get_default_device()
         self.index = index
         self.names = index.names if index is not None else ()
-        n = len(self.names)
+        n = self._n = len(self.names)
         self.top_k = min(top_k, n) if n else 0
         self.capacity, self.warmup, self.alpha, self.eps = capacity, warmup, alpha, eps
         self.path = None if path is None else os.fspath(path)
@@ -245,45 +247,44 @@ class ClipRecorder(Stateful):
             total, norms = stats, param_norms
             limit = math.inf if threshold is None else threshold
             zscore, skip = None, None
-        if self.names and (norms is None or norms.shape != (len(self.names),)):
+        n = self._n  # an int: the names themselves are not read in the step (a traced step would guard on each)
+        if n and (norms is None or norms.shape != (n,)):
             got = None if norms is None else tuple(norms.shape)
             raise ValueError(
-                f"this recorder names {len(self.names)} parameters: give the clip param_norms=index (the "
+                f"this recorder names {n} parameters: give the clip param_norms=index (the "
                 f"recorder's), so its stats carry one norm per name; got per-parameter norms of shape {got}"
             )
         device = self._ring.device
-        total = total.detach().to(device=device, dtype=_STAT)
+        total = _as_stat(total, device)
         if isinstance(limit, torch.Tensor):
-            limit = limit.detach().to(device=device, dtype=_STAT)
+            limit = _as_stat(limit, device)
         else:  # a fill, not a copy from the host
             limit = torch.full((), float(limit), dtype=_STAT, device=device)
-        zscore = torch.full_like(total, math.nan) if zscore is None else zscore.detach().to(device=device, dtype=_STAT)
+        zscore = torch.full_like(total, math.nan) if zscore is None else _as_stat(zscore, device)
         skipped = torch.zeros_like(total, dtype=torch.bool) if skip is None else skip.detach().to(device)
         coef = torch.clamp(limit / (total + self.eps), max=1.0)
         clipped = (coef < 1.0) & ~skipped
-        head = [total, limit, zscore, coef, clipped.to(_STAT), skipped.to(_STAT)]
-        if not self.names:
-            _record_row_(self._ring, self._count, torch.stack(head))
+        head = torch.stack([total, limit, zscore, coef, clipped, skipped])  # stack promotes the flags to float64
+        if not n:
+            _write(self._ring, self._count, head, [], [])
             return
-        norms = norms.detach().to(device=device, dtype=_STAT)
+        norms = _as_stat(norms, device)
         mean, var, count = self.stats.mean, self.stats.var, self.stats.count
-        z = (norms - mean) / (var.sqrt() + self.eps)
-        z = torch.where(count >= 2, z, math.nan)
-        top_z, top_i = torch.topk(torch.nan_to_num(z, nan=-math.inf), self.top_k)
-        row = torch.cat([torch.stack(head), top_i.to(_STAT), top_z, norms])
-        _record_row_(self._ring, self._count, row)
-        # The statistics take in every step that is not skipped, each parameter where its norm is finite.
-        take = ~skipped & torch.isfinite(norms)
-        n = (count + 1).to(_STAT)
-        welford_mean = mean + (norms - mean) / n
-        welford_var = var + ((norms - mean) * (norms - welford_mean) - var) / n
-        ema_mean = self.alpha * mean + (1 - self.alpha) * norms
-        ema_var = self.alpha * var + (1 - self.alpha) * (norms - ema_mean) ** 2
+        d = norms - mean
+        z = torch.where(count >= 2, d / (var.sqrt() + self.eps), -math.inf)  # -inf: never among the top
+        top_z, top_i = torch.topk(z.nan_to_num(nan=-math.inf), self.top_k)
+        row = torch.cat([head, top_i, top_z, norms])
+        # The statistics take in every step that is not skipped, each parameter where its norm is finite:
+        # with weight w = 1 / n over the warm-up (Welford's plain mean and variance), 1 - alpha after.
         warm = count < self.warmup
-        new_mean = torch.where(take, torch.where(warm, welford_mean, ema_mean), mean)
-        new_var = torch.where(take, torch.where(warm, welford_var, ema_var), var)
-        new_count = torch.where(skipped, count, count + 1)
-        copy_into_([count, mean, var], [new_count, new_mean, new_var])
+        w = torch.where(warm, 1.0 / (count + 1), 1.0 - self.alpha)
+        new_mean = mean + w * d
+        e = norms - new_mean
+        new_var = (1.0 - w) * var + w * e * torch.where(warm, d, e)
+        take = torch.isfinite(norms) & ~skipped
+        new_count = count + (~skipped).to(count.dtype)
+        new_stats = [new_count, torch.where(take, new_mean, mean), torch.where(take, new_var, var)]
+        _write(self._ring, self._count, row, [count, mean, var], new_stats)
 
     # -----------------------------------------------------------------------------------------
     # Outside the step: the host
@@ -326,8 +327,9 @@ class ClipRecorder(Stateful):
                 RuntimeWarning,
                 stacklevel=2,
             )
-        rows = self._host_ring.tolist()
-        records = [self._decode(step, rows[step % self.capacity]) for step in range(start, count)]
+        slots = [i % self.capacity for i in range(start, count)]
+        rows = self._host_ring[slots].tolist() if slots else []
+        records = [self._decode(i + 1, row) for i, row in zip(range(start, count), rows)]
         self._read_upto = count
         if self.path is not None and records:
             with open(self.path, "a") as f:
@@ -345,7 +347,7 @@ class ClipRecorder(Stateful):
             [
                 {"name": self.names[int(i)], "zscore": z, "norm": norms[int(i)]}
                 for i, z in zip(top_i, top_z)
-                if math.isfinite(z)
+                if math.isfinite(z) and z > 0.0  # above its own statistics: a slightly clipped step may have none
             ]
             if anomalous and n
             else []
@@ -416,14 +418,42 @@ class ClipRecorder(Stateful):
         return f"ClipRecorder({len(self.names)} parameters, capacity={self.capacity}, top_k={self.top_k})"
 
 
-@torch.library.custom_op("ppclip_func::record_row_", mutates_args=("ring", "count"))
-def _record_row_(ring: torch.Tensor, count: torch.Tensor, row: torch.Tensor) -> None:
-    """``ring[count % len(ring)] = row; count += 1``, on the device: the slot is never read on the host."""
+def _as_stat(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` detached, as float64 on ``device`` (no ``Tensor.to`` call where it already is: a dispatched op)."""
+    t = t.detach()
+    return t if t.dtype == _STAT and t.device == device else t.to(device=device, dtype=_STAT)
+
+
+def _record(
+    ring: torch.Tensor, count: torch.Tensor, row: torch.Tensor, stats: list[torch.Tensor], new_stats: list[torch.Tensor]
+) -> None:
+    """``ring[count % len(ring)] = row; count += 1`` on the device (the slot is never read on the host), then
+    ``stats[i] = new_stats[i]``."""
     slot = torch.remainder(count, ring.shape[0]).reshape(1)
-    ring.index_copy_(0, slot, row.reshape(1, -1))
+    ring.index_copy_(0, slot, row.reshape(1, -1).to(ring.dtype))
     count.add_(1)
+    if stats:
+        torch._foreach_copy_(stats, new_stats)
 
 
-@_record_row_.register_fake
-def _(ring: torch.Tensor, count: torch.Tensor, row: torch.Tensor) -> None:
+LIBRARY.define("record_(Tensor(a!) ring, Tensor(b!) count, Tensor row, Tensor(c!)[] stats, Tensor[] new_stats) -> ()")
+LIBRARY.impl("record_", _record, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("ppclip_func::record_", lib=LIBRARY)
+def _(
+    ring: torch.Tensor, count: torch.Tensor, row: torch.Tensor, stats: list[torch.Tensor], new_stats: list[torch.Tensor]
+) -> None:
     return None
+
+
+# _record as one op that declares what it writes: a compiled graph runs it after every kernel that reads
+# the counter or the statistics, whatever the step returns (_write.py).
+_record_ = torch.ops.ppclip_func.record_.default
+
+
+def _write(
+    ring: torch.Tensor, count: torch.Tensor, row: torch.Tensor, stats: list[torch.Tensor], new_stats: list[torch.Tensor]
+) -> None:
+    """The step's one write: through the op where traced; eager ops run in program order."""
+    (_record_ if torch.compiler.is_compiling() else _record)(ring, count, row, stats, new_stats)

@@ -53,8 +53,7 @@ from torch.utils import _pytree as pytree
 __all__ = ["write_back_"]
 
 
-@torch.library.custom_op("ppclip_func::write_back_", mutates_args=("dst",))
-def _write_back_op(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+def _write_back(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     """``dst[i] = src[i]`` for every ``i``, as if every source were read before any destination is written."""
     # A source that shares memory with a destination other than its own (a swap, a view of another
     # piece of state) would be read after that destination is written: those are copied first.
@@ -63,9 +62,19 @@ def _write_back_op(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     torch._foreach_copy_(dst, src)
 
 
-@_write_back_op.register_fake
+# The op, defined with torch.library's schema API rather than ``custom_op``: the same declared mutation
+# for functionalization and inductor, a fifth of the host time per call (12 us against 57 us on this CPU).
+LIBRARY = torch.library.Library("ppclip_func", "FRAGMENT")
+LIBRARY.define("write_back_(Tensor(a!)[] dst, Tensor[] src) -> ()")
+LIBRARY.impl("write_back_", _write_back, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("ppclip_func::write_back_", lib=LIBRARY)
 def _(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     return None
+
+
+_write_back_op = torch.ops.ppclip_func.write_back_.default
 
 
 def copy_into_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
@@ -78,8 +87,10 @@ def copy_into_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     pairs = [(d, s) for d, s in zip(dst, src) if d is not s]
     if not pairs:
         return
+    # Eager ops run in program order: the op (a Python dispatch of some microseconds) is for tracing.
+    write = _write_back_op if torch.compiler.is_compiling() else _write_back
     with torch.no_grad():
-        _write_back_op([d for d, _ in pairs], [s.detach() for _, s in pairs])
+        write([d for d, _ in pairs], [s.detach() for _, s in pairs])
 
 
 def write_back_(persistent: Any, new: Any) -> None:

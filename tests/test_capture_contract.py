@@ -35,6 +35,7 @@ import ppclip_func._local as local
 import ppclip_func._scale as scale
 from ppclip_func import (
     AdaGCStateful,
+    ClipRecorder,
     ClipStateful,
     adagc_clip_grad_norm_,
     adaptive_clip_grad_norm,
@@ -258,6 +259,20 @@ def _variants(mesh: DeviceMesh | None) -> dict[str, Callable[[], Callable[[int],
 
         return m, step, {"state": clip.state, "opt": opt}
 
+    def adaptive_recorded():
+        # The clip's statistics and every parameter's norm recorded on the device each step (ClipRecorder).
+        m, clip = Model(), ClipStateful()
+        index = param_norm_index(m.params, mesh)
+        recorder = ClipRecorder(index)
+
+        def step():
+            stats = adaptive_clip_grad_norm_(m.params, mesh, clip.state, param_norms=index, **ADAPTIVE)
+            clip.update_(stats.state)
+            recorder.record(stats)
+            return {"norm": stats.total_norm, "skip": stats.skip}
+
+        return m, step, {"state": clip.state, "recorded": [recorder._ring, recorder._count, *recorder.stats]}
+
     def functional_written_back():
         # The functional recipe's end (docs/cuda-graphs.md): the pure clip, an update selected against a
         # skip, and every new value written into the persistent tensors by one write_back_.
@@ -285,6 +300,7 @@ def _variants(mesh: DeviceMesh | None) -> dict[str, Callable[[], Callable[[int],
             per_group_,
             handed_fused_adamw,
             adaptive_handed_fused_adamw,
+            adaptive_recorded,
             functional_written_back,
         )
     }
@@ -298,7 +314,7 @@ def _persistent(model: Model, held: dict[str, Any]) -> list[torch.Tensor]:
     """What lives from one step to the next: parameters, grads, the clip's state and the optimizer's state.
     (The grad_scale and found_inf handed to the optimizer are checked from each step's results.)"""
     tensors = [t for p in model.params.values() for t in (p, p.grad)]
-    tensors += list(held.get("state", ()))
+    tensors += list(held.get("state", ())) + list(held.get("recorded", ()))
     opt = held.get("opt")
     if opt is not None:
         tensors += [v for p in model.params.values() for v in opt.state[p].values()]

@@ -87,7 +87,7 @@ def recorded() -> tuple[list[StepRecord], list[dict]]:
 
 def test_every_record_equals_what_the_host_read_after_its_step(recorded):
     records, reference = recorded
-    assert [r.step for r in records] == list(range(STEPS))
+    assert [r.step for r in records] == list(range(1, STEPS + 1))
     for r, ref in zip(records, reference):
         for field in ("total", "threshold", "zscore"):
             assert same(getattr(r, field), ref[field]), (r.step, field, getattr(r, field), ref[field])
@@ -109,7 +109,7 @@ def test_the_spike_is_caught_and_the_parameter_spiked_on_purpose_is_named_first(
     nan_step = records[NAN]
     assert nan_step.skipped and math.isnan(nan_step.total)
     # Every other step is ordinary: nothing named.
-    ordinary = [r for r in records if r.step not in (SPIKE, NAN)]
+    ordinary = [r for i, r in enumerate(records) if i not in (SPIKE, NAN)]
     assert all(not r.anomalous and r.spiked == [] for r in ordinary), [r for r in ordinary if r.anomalous]
 
 
@@ -152,9 +152,9 @@ def test_read_appends_json_lines_and_returns_only_new_records(tmp_path):
         recorder.record(stats)
         recorder.flush()
         got.append([r.step for r in recorder.read()])
-    assert got == [[0], [1], [2], [3], [4], [5]]
+    assert got == [[1], [2], [3], [4], [5], [6]]
     lines = [json.loads(line) for line in path.read_text().splitlines()]
-    assert [line["step"] for line in lines] == list(range(6))
+    assert [line["step"] for line in lines] == list(range(1, 7))
     assert set(lines[0]) == {
         "step",
         "total",
@@ -192,7 +192,7 @@ def test_more_steps_than_the_ring_holds_between_reads_warns_and_keeps_the_last()
     recorder.flush()
     with pytest.warns(RuntimeWarning, match="6 steps were recorded and dropped"):
         records = recorder.read()
-    assert [r.step for r in records] == [6, 7, 8, 9] and [r.total for r in records] == [6.0, 7.0, 8.0, 9.0]
+    assert [r.step for r in records] == [7, 8, 9, 10] and [r.total for r in records] == [6.0, 7.0, 8.0, 9.0]
 
 
 def test_the_statistics_are_saved_and_restored_by_name():
