@@ -37,6 +37,7 @@ from torch.optim.adamw import adamw
 from ppclip_func import (
     AdaGCState,
     AdaGCStateful,
+    ClipRecorder,
     ClipState,
     ClipStateful,
     adagc_clip_grad_norm,
@@ -396,3 +397,48 @@ def test_a_captured_step_replays_the_eager_steps_bit_for_bit(mesh, kind):
             got.append(_snapshot(out, held))
     _assert_same_runs(got, want, rel=0.0)
     _assert_skips(got, _skipped(kind))
+
+
+def test_the_recorder_captured_with_the_step_records_what_eager_records(mesh):
+    """``ClipRecorder.record`` captured with the adaptive clip in ``torch.cuda.graph``; ``flush()`` between
+    replays (a non-blocking copy to pinned memory, no host sync) and ``read()`` at the end: every record
+    equal to an eager run's, bit for bit."""
+
+    def run(capture: bool) -> list:
+        model = GpuModel()
+        index = param_norm_index(model.params, mesh)
+        clip = ClipStateful("cuda")
+        recorder = ClipRecorder(index, device="cuda", capacity=len(SCALES))
+
+        def step() -> None:
+            stats = adaptive_clip_grad_norm_(model.params, mesh, clip.state, param_norms=index, **ADAPTIVE)
+            clip.update_(stats.state)
+            recorder.record(stats)
+
+        if not capture:
+            for i in range(len(SCALES)):
+                model.set_grads(i)
+                step()
+        else:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for i in range(WARMUP):
+                    model.set_grads(i)
+                    step()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"), no_host_sync():
+                step()
+            for i in range(WARMUP, len(SCALES)):
+                with no_host_sync():
+                    model.set_grads(i)
+                    graph.replay()
+                    recorder.flush()
+        recorder.flush()
+        return recorder.read(wait=True)
+
+    want, got = run(False), run(True)
+    assert [r.step for r in got] == list(range(1, len(SCALES) + 1))
+    assert [r.to_json() for r in got] == [r.to_json() for r in want]
+    assert any(r.spiked for r in got), "the spike is named"
