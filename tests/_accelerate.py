@@ -54,7 +54,7 @@ from torch import nn
 ACCELERATE_VERSION = "1.15.0"
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 CP_ATTENTION_ON_CPU = (
-    "context parallelism's attention does not run on CPU: torch 2.13's context_parallel raises "
+    "context parallelism's attention does not run on CPU: torch's context_parallel (2.13.0, 2.14.1) raises "
     "NotImplementedError (aten._scaled_dot_product_flash_attention_for_cpu has no sharding strategy); "
     "the cp layout's mesh, its FSDP2 gradients after a step under accelerator.maybe_context_parallel "
     "(a token-local gate in the attention's place) and the clip's call site are tested instead"
