@@ -13,7 +13,7 @@ on 2.11 to 2.13 a second, separate ``copy_`` into a graph input can vanish
 from the graph. The step then trains on wrong statistics, silently, unless
 it also returns the new values (outputs get buffers of their own).
 
-Here every such write is one ``torch.library`` custom op,
+Here every such write is one ``torch.library`` op,
 ``ppclip_func::write_back_``, that declares the tensors it mutates. Traced,
 functionalization and inductor see an opaque call with a declared mutation:
 the new values are computed into buffers of their own by kernels that run
@@ -146,20 +146,27 @@ def write_back_(persistent: Any, new: Any) -> None:
     for i, (d, s) in enumerate(zip(dst_flat, src_flat)):
         if d is None and s is None:
             continue
+        if isinstance(d, DTensor) and isinstance(s, DTensor) and _same_layout(d, s):
+            d, s = d.to_local(), s.to_local()
         problem = _mismatch(d, s)
         if problem is not None:
             error, message = problem
             where = pytree.keystr(pytree.tree_flatten_with_path(persistent)[0][i][0]) or " (the tree itself)"
             raise error(message.format(d=f"persistent{where}", s=f"new{where}"))
-        if isinstance(d, DTensor):
-            d, s = d.to_local(), s.to_local()
         dst.append(d)
         src.append(s)
     copy_into_(dst, src)
 
 
+def _same_layout(d: DTensor, s: DTensor) -> bool:
+    return d.device_mesh == s.device_mesh and d.placements == s.placements
+
+
 def _mismatch(d: Any, s: Any) -> tuple[type[Exception], str] | None:
-    """Why ``s`` cannot be written into ``d`` (the error and its message, ``{d}``/``{s}`` the leaves' paths)."""
+    """Why ``s`` cannot be written into ``d`` (the error and its message, ``{d}``/``{s}`` the leaves' paths).
+
+    DTensors of one layout arrive as their local shards: a DTensor still here is a mismatch.
+    """
     if not isinstance(d, torch.Tensor):
         return TypeError, f"{{d}} must be a tensor to be written in place, got {type(d).__name__}"
     if not isinstance(s, torch.Tensor):
@@ -167,12 +174,10 @@ def _mismatch(d: Any, s: Any) -> tuple[type[Exception], str] | None:
     if isinstance(d, DTensor) != isinstance(s, DTensor):
         return TypeError, "{d} and {s} must both be DTensors or neither"
     if isinstance(d, DTensor):
-        if d.device_mesh != s.device_mesh or d.placements != s.placements:
-            return ValueError, (
-                f"{{s}} is laid out as {s.placements} on {s.device_mesh}, {{d}} as {d.placements} on "
-                f"{d.device_mesh}: their local shards do not correspond"
-            )
-        d, s = d.to_local(), s.to_local()
+        return ValueError, (
+            f"{{s}} is laid out as {s.placements} on {s.device_mesh}, {{d}} as {d.placements} on "
+            f"{d.device_mesh}: their local shards do not correspond"
+        )
     if d.dtype != s.dtype:
         return TypeError, f"{{s}} is {s.dtype}, {{d}} is {d.dtype}: write a value of the persistent tensor's dtype"
     if d.shape != s.shape or d.device != s.device:
