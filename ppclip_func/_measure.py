@@ -255,6 +255,30 @@ def _n_entries(opts: NormOptions) -> int:
         return 1 + params  # every rank raises the same error before any collective
 
 
+def check_norm_options(opts: NormOptions) -> list[str]:
+    """Raises ``TypeError``/``ValueError`` for a malformed option of ``opts``; returns the group labels.
+
+    Only what the options say alone: whether ``pp_dim`` names a dim of the
+    mesh, or ``tied`` a leaf, is known with the mesh and the leaves.
+    """
+    if opts.partial not in PARTIAL_POLICIES:
+        raise ValueError(f"partial must be one of {PARTIAL_POLICIES}, got {opts.partial!r}")
+    if not isinstance(opts.overflow_safe, bool):
+        raise TypeError(f"overflow_safe must be a bool, got {opts.overflow_safe!r}")
+    if opts.params is not None and not isinstance(opts.params, ParamIndex):
+        raise TypeError(f"param_norms must be a ParamIndex from param_norm_index(), got {type(opts.params).__name__}")
+    pp_dim = opts.pp_dim
+    if pp_dim is not None and not (
+        isinstance(pp_dim, str) or (isinstance(pp_dim, Sequence) and all(isinstance(d, str) for d in pp_dim))
+    ):
+        raise TypeError(f"pp_dim must be a mesh dim name, a sequence of them, or None, got {pp_dim!r}")
+    if opts.pp_mesh is not None and not isinstance(opts.pp_mesh, DeviceMesh):
+        raise TypeError(f"pp_mesh must be a DeviceMesh or None, got {type(opts.pp_mesh).__name__}")
+    labels = check_groups(opts.groups)
+    check_tied(opts.tied)
+    return labels
+
+
 def _local_part(
     leaves: Leaves,
     mesh: DeviceMesh | None,
@@ -271,12 +295,7 @@ def _local_part(
     """
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
-    if opts.partial not in PARTIAL_POLICIES:
-        raise ValueError(f"partial must be one of {PARTIAL_POLICIES}, got {opts.partial!r}")
-    if opts.params is not None and not isinstance(opts.params, ParamIndex):
-        raise TypeError(f"param_norms must be a ParamIndex from param_norm_index(), got {type(opts.params).__name__}")
-    labels = check_groups(opts.groups)
-    check_tied(opts.tied)
+    labels = check_norm_options(opts)
     stages = pipeline_stages(mesh, opts.pp_dim, opts.pp_mesh)
 
     names = leaves.names() if (opts.groups or opts.tied) else None

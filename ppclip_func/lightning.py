@@ -37,19 +37,29 @@ it runs, ours issues one all-reduce instead of its several. The norm is also
 returned and logged (``grad_norm``, on step), which Lightning's clip does
 not do, and ``norm_type`` can be 1 or ``inf`` (Lightning's is always 2).
 Under other strategies (one device, DDP) the gradients are whole on every
-rank and the norm is torch's, with no collective; ``FSDPStrategy`` (FSDP1)
-keeps Lightning's refusal to clip by norm.
+rank and the norm is torch's, with no collective. ``FSDPStrategy`` (FSDP1)
+is refused when the run clips by norm, at ``on_fit_start`` and again at the
+clip, on every rank: its flat shards carry no layout, so no clip can weigh
+them (``ModelParallelStrategy`` runs FSDP2).
+
+The Trainer's classes are read from the Trainer in hand, so the mixins work
+the same under the unified package (``import lightning as L``, whose
+classes live in ``lightning.pytorch``) and under ``pytorch_lightning``, with
+either one installed alone.
 
 :class:`AdaptiveClipGradNormMixin` does the same with the threshold that
 follows the run (:func:`ppclip_func.adaptive_clip_grad_norm_`), its state
 saved in Lightning's checkpoints.
 
 Nothing of Lightning is imported by this module: the mixins are plain classes,
-and Lightning is imported inside their methods.
+and only the package the running Trainer comes from is read, inside their
+methods. Their options (``gradient_clip_norm_type``, ``adaptive_clip_options``)
+are checked when the class is defined, and again when the fit starts.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
@@ -58,12 +68,34 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ._adaptive import ClipStats
 from ._api import adaptive_clip_grad_norm_, clip_grad_norm_
+from ._norms import norm_kind
+from ._options import check_options
 from ._stateful import ClipStateful
 
 __all__ = ["AdaptiveClipGradNormMixin", "ClipGradNormMixin"]
 
 # The key of the adaptive state in Lightning's checkpoint dict.
 CHECKPOINT_KEY = "ppclip_func.clip_state"
+
+
+def _check_mixin_options(owner: Any, where: str) -> None:
+    """Checks a mixin's class options (``owner`` is the class or the module), naming the attribute at fault."""
+    p = owner.gradient_clip_norm_type
+    try:
+        norm_kind(p)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"{where}.gradient_clip_norm_type: {error}") from None
+    key = owner.grad_norm_log_key
+    if key is not None and not isinstance(key, str):
+        raise TypeError(f"{where}.grad_norm_log_key must be a string or None, got {key!r}")
+    options = getattr(owner, "adaptive_clip_options", None)
+    if options is not None:
+        check_options(
+            adaptive_clip_grad_norm_,
+            options,
+            where=f"{where}.adaptive_clip_options",
+            fixed={"max_norm": "Trainer(gradient_clip_val=...)", "norm_type": "gradient_clip_norm_type"},
+        )
 
 
 class ClipGradNormMixin:
@@ -114,6 +146,18 @@ class ClipGradNormMixin:
     gradient_clip_norm_type: ClassVar[float] = 2.0
     grad_norm_log_key: ClassVar[str | None] = "grad_norm"
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _check_mixin_options(cls, f"class {cls.__name__}")
+
+    def on_fit_start(self) -> None:
+        """Lightning's hook; first refuses a strategy the clip cannot serve and checks the options, on every rank."""
+        trainer = self.trainer  # type: ignore[attr-defined]
+        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm in (None, "norm"):
+            _refuse_fsdp1(self)
+        _check_mixin_options(self, type(self).__name__)
+        super().on_fit_start()  # type: ignore[misc]
+
     def clip_gradients(
         self,
         optimizer: torch.optim.Optimizer,
@@ -146,6 +190,8 @@ class ClipGradNormMixin:
             found.append(self._clip_grad_norm(_main_params(plugin, optimizer), clip_val))
 
         plugin = _precision_plugin_to_patch(self)
+        if plugin is not None and gradient_clip_algorithm in (None, "norm"):
+            _refuse_fsdp1(self)
         if plugin is None:
             return super().clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)  # type: ignore[misc]
         with _clip_grad_by_norm_replaced(plugin, clip_by_norm):
@@ -250,15 +296,49 @@ def _precision_plugin_to_patch(module: Any) -> Any:
     """The Trainer's precision plugin, or ``None`` where Lightning's clip is kept whole.
 
     Kept whole: a module run by Fabric (``fabric.clip_gradients``) or by no
-    Trainer, and FSDP1's plugin, which refuses to clip by norm (torch's clip
-    of FSDP1's flat shards would be wrong, and so would ours without a mesh).
+    Trainer.
     """
     if getattr(module, "_fabric", None) is not None or getattr(module, "_trainer", None) is None:
         return None
-    from pytorch_lightning.plugins.precision.fsdp import FSDPPrecision
+    return module.trainer.precision_plugin
 
-    plugin = module.trainer.precision_plugin
-    return None if isinstance(plugin, FSDPPrecision) else plugin
+
+# The packages a Trainer may come from: the unified package's ``lightning.pytorch`` and ``pytorch_lightning``.
+_LIGHTNING_PACKAGES = ("lightning.pytorch", "pytorch_lightning")
+
+
+def _lightning_package(trainer: Any) -> str:
+    """The package ``trainer``'s class comes from: ``"lightning.pytorch"`` or ``"pytorch_lightning"``.
+
+    Read from the Trainer's own class (or the first Lightning class it derives
+    from), never by importing a package: the other one may be missing, or be
+    a second copy whose classes are not the Trainer's.
+    """
+    for cls in type(trainer).__mro__:
+        for package in _LIGHTNING_PACKAGES:
+            if cls.__module__ == package or cls.__module__.startswith(package + "."):
+                return package
+    raise TypeError(f"{type(trainer).__name__} is not a Lightning Trainer (from {_LIGHTNING_PACKAGES})")
+
+
+def _refuse_fsdp1(module: Any) -> None:
+    """Raises Lightning's ``MisconfigurationException`` under ``FSDPStrategy`` (FSDP1), on every rank alike.
+
+    FSDP1's flat parameters are plain tensors holding a slice of several
+    parameters each: nothing says which, so neither torch's clip nor ours
+    can weigh them, and a clip rank by rank would give each rank its own norm.
+    """
+    trainer = module.trainer
+    package = _lightning_package(trainer)
+    strategies = importlib.import_module(f"{package}.strategies")
+    if isinstance(trainer.strategy, strategies.FSDPStrategy):
+        exceptions = importlib.import_module(f"{package}.utilities.exceptions")
+        raise exceptions.MisconfigurationException(
+            f"{type(module).__name__} clips by the norm of the whole model, which {package}.strategies.FSDPStrategy "
+            "(FSDP1) cannot give: its flat gradient shards carry no layout. Use "
+            f"{package}.strategies.ModelParallelStrategy (FSDP2 and tensor parallelism on DTensors) and shard in "
+            "configure_model, or set gradient_clip_algorithm='value'"
+        )
 
 
 class _clip_grad_by_norm_replaced:
