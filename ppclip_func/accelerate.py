@@ -58,6 +58,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ._adaptive import ClipStats
 from ._api import adaptive_clip_grad_norm_ as _adaptive_clip_grad_norm_
 from ._api import clip_grad_norm_ as _clip_grad_norm_
+from ._options import check_options
 from ._stateful import ClipStateful
 
 __all__ = ["adaptive_clip_grad_norm_", "clip_grad_norm_", "patch_accelerator"]
@@ -211,7 +212,10 @@ def patch_accelerator(accelerator: Any, *, eps: float = 1e-6, nonfinite: str = "
         ``accelerator``, patched.
 
     Raises:
-        ValueError: As :func:`clip_grad_norm_`, here rather than at the first clip.
+        TypeError, ValueError: ``eps`` or ``nonfinite`` is not valid for
+            :func:`clip_grad_norm_`, or the accelerator runs a layout it
+            refuses: here rather than at the first clip, with the
+            accelerator left unpatched.
 
     Example:
         >>> import torch
@@ -223,7 +227,9 @@ def patch_accelerator(accelerator: Any, *, eps: float = 1e-6, nonfinite: str = "
         >>> accelerator.clip_grad_norm_(model.parameters(), 1.0)  # as before, now ours
         tensor(5., dtype=torch.float64)
     """
-    _world_mesh(accelerator)  # refuse now, not in the middle of a run
+    # Refuse now, not in the middle of a run, and before anything is patched.
+    check_options(_clip_grad_norm_, {"eps": eps, "nonfinite": nonfinite}, where="patch_accelerator")
+    _world_mesh(accelerator)
 
     def patched(
         self: Any, parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float, norm_type: float = 2

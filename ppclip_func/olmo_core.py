@@ -34,12 +34,26 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from ._adaptive import ClipStats
 from ._api import adaptive_clip_grad_norm_
 from ._api import clip_grad_norm_ as _clip_grad_norm_
+from ._options import check_options
 from ._stateful import ClipStateful
 
 __all__ = ["STATE_KEY", "PPClipMixin", "clip_grad_norm_", "use_ppclip"]
 
 STATE_KEY = "ppclip"
 """The key of the adaptive threshold's state in the train module's state dict (and so in its checkpoints)."""
+
+# The options of the adaptive clip that OLMo-core's optim_step passes itself.
+_SET_BY_OLMO_CORE = {
+    "max_norm": "the train module's max_grad_norm (OLMo-core's optim_step passes it)",
+    "norm_type": "OLMo-core's _clip_grad_norm(max_grad_norm, norm_type)",
+}
+
+
+def _checked_adaptive(adaptive: Mapping[str, Any] | None, where: str) -> dict[str, Any] | None:
+    """``adaptive`` checked as options of :func:`ppclip_func.adaptive_clip_grad_norm_`; ``None`` stays ``None``."""
+    if adaptive is None:
+        return None
+    return check_options(adaptive_clip_grad_norm_, adaptive, where=where, fixed=_SET_BY_OLMO_CORE)
 
 
 def _parameters(train_module: Any) -> list[nn.Parameter]:
@@ -151,6 +165,10 @@ class PPClipMixin:
     ppclip_adaptive: Mapping[str, Any] | None = None
     ppclip_stats: ClipStats | None = None
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _checked_adaptive(cls.ppclip_adaptive, f"class {cls.__name__}.ppclip_adaptive")
+
     @property
     def ppclip_state(self) -> ClipStateful:
         """The adaptive threshold's statistics, created on the first use (on ``self.device`` if it has one)."""
@@ -256,10 +274,16 @@ def use_ppclip(train_module: Any, *, adaptive: Mapping[str, Any] | None = None) 
         train_module: A ``TransformerTrainModule`` or ``TransformerPipelineTrainModule``.
         adaptive: Options of :func:`ppclip_func.adaptive_clip_grad_norm_`
             for a threshold that follows the run (``{}`` for its defaults),
-            or ``None`` for OLMo-core's fixed ``max_grad_norm``.
+            or ``None`` for OLMo-core's fixed ``max_grad_norm``; not
+            ``max_norm`` or ``norm_type``, which OLMo-core passes.
 
     Returns:
         ``train_module``, converted in place.
+
+    Raises:
+        TypeError, ValueError: An option of ``adaptive`` is unknown, set by
+            OLMo-core, or of the wrong type or range, named in the message;
+            the module is left as it was.
 
     Example:
         >>> import torch
@@ -274,8 +298,9 @@ def use_ppclip(train_module: Any, *, adaptive: Mapping[str, Any] | None = None) 
         >>> module._clip_grad_norm(1.0)
         tensor(5., dtype=torch.float64)
     """
+    adaptive = _checked_adaptive(adaptive, "use_ppclip(adaptive=...)")  # before anything is changed
     cls = type(train_module)
     if not isinstance(train_module, PPClipMixin) and not getattr(cls, "_ppclip_converted", False):
         train_module.__class__ = _with_mixin(cls)
-    train_module.ppclip_adaptive = None if adaptive is None else dict(adaptive)
+    train_module.ppclip_adaptive = adaptive
     return train_module
