@@ -26,7 +26,12 @@ CPU ranks, each the least that does (no file of Accelerate is edited):
   DTensor, so ``ReplicateParallel`` is never used), the config is built
   without its version check, and ``ReplicateParallel`` is a stand-in, in
   ``sys.modules`` during ``prepare`` only, that raises if it is ever used.
-  With transformers installed, its own are used.
+  With transformers installed, its own are used; transformers 5.23.0 no
+  longer has ``ReplicateParallel`` (its TP styles moved to
+  ``transformers.distributed``), so with that release Accelerate 1.15.0's
+  FSDP2 + TP ``prepare`` raises ``ImportError`` for any model
+  (docs/accelerate.md), and the stand-in is put on its module during
+  ``prepare`` as above.
 * Context parallelism's ring attention has no CPU kernel (torch 2.13:
   ``NotImplementedError: Operator aten._scaled_dot_product_flash_attention_for_cpu.default
   does not have a sharding strategy registered``), so the ``cp`` layout's
@@ -157,9 +162,19 @@ class ReplicateParallelStandIn:
 
 @contextlib.contextmanager
 def _transformers_tp_import() -> Iterator[None]:
-    """``transformers.integrations.tensor_parallel.ReplicateParallel`` importable, when transformers is not."""
+    """``transformers.integrations.tensor_parallel.ReplicateParallel`` importable, when transformers is not,
+    or is a release without it (transformers 5.23.0 no longer has the name Accelerate 1.15.0 imports)."""
     if HAS_TRANSFORMERS:
-        yield
+        import transformers.integrations.tensor_parallel as tensor_parallel
+
+        if hasattr(tensor_parallel, "ReplicateParallel"):
+            yield
+            return
+        tensor_parallel.ReplicateParallel = ReplicateParallelStandIn
+        try:
+            yield
+        finally:
+            del tensor_parallel.ReplicateParallel
         return
     names = ("transformers", "transformers.integrations", "transformers.integrations.tensor_parallel")
     assert not any(n in sys.modules for n in names)

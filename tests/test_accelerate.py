@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import shutil
 import sys
 import tempfile
@@ -438,8 +439,40 @@ def fsdp2_cp2__attention(rank: int, world_size: int) -> None:
     assert reference
 
 
+def cpu_fsdp_plugin_runs_ddp(rank: int, world_size: int) -> None:
+    """The docs' form on CPU ranks, ``Accelerator(cpu=True, fsdp_plugin=...)``, runs DDP, as docs/accelerate.md says:
+    nothing is sharded, and our clip is torch's norm of the whole gradient with no collective."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size)
+    )
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    from ppclip_func import accelerate as ppclip
+
+    accelerator = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+    ppclip.patch_accelerator(accelerator)
+    assert accelerator.distributed_type == DistributedType.MULTI_CPU and not accelerator.is_fsdp2
+    torch.manual_seed(0)
+    model = accelerator.prepare(torch.nn.Linear(8, 4))
+    assert type(model).__name__ == "DistributedDataParallel"
+    assert not any(isinstance(p, DTensor) for p in model.parameters())
+    accelerator.backward(model(torch.randn(2, 8, generator=torch.Generator().manual_seed(rank))).square().sum())
+    grads = [p.grad.detach().double().clone() for p in model.parameters()]
+    with CollectiveCounter() as counter:
+        norm = accelerator.clip_grad_norm_(model.parameters(), 1e-3)
+    assert counter.count == 0, counter.ops
+    expected = float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])))
+    assert abs(float(norm) - expected) <= 1e-6 * expected, (float(norm), expected)
+    assert len(set(gather_objects(float(norm)))) == 1  # DDP averaged the grads: whole and alike on every rank
+
+
 CASES = [
     *(_case(layout, part) for layout in LAYOUTS for part in PARTS),
+    cpu_fsdp_plugin_runs_ddp,
     fsdp2_tp2__fp16_grad_scaler,
     hsdp2x2__adaptive_checkpoint,
     fsdp2_cp2__attention,
