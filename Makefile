@@ -26,15 +26,27 @@ DIST_TESTS := tests/test_agree_ranks.py tests/test_distributed_small.py tests/te
 	tests/test_compile_fake_pg.py tests/test_pipeline_mesh.py tests/test_process_groups.py \
 	tests/test_torch_versions.py tests/test_write_back.py
 
-.PHONY: demo demo-spike test test-quick test-dist test-torch test-torch-all test-oldest test-pythons gpu-check lint bench clean
+.PHONY: demo demo-spike test test-quick test-trainers test-dist test-torch test-torch-all test-oldest test-pythons gpu-check lint bench clean
 
 # OLMo-core 3.0.0 for tests/test_olmo_core.py, without its dependencies: it asks torch < 2.14, which
 # would make pip replace the venv's torch, and cached-path (imported at module level) brings boto3 and
 # google-cloud-storage; the tests put a local-paths-only stand-in where cached-path is missing. These are
 # the small packages the modules the tests use import (pip keeps any already there). On a torch it
 # refuses (>= 2.14) its tests skip, saying so, and nothing else changes.
-OLMO_CORE := ai2-olmo-core==3.0.0 rich markdown-it-py mdurl dataclass-extensions requests urllib3 \
+OLMO_CORE := ai2-olmo-core==3.0.0 rich pygments markdown-it-py mdurl dataclass-extensions requests urllib3 \
 	charset-normalizer certifi bettermap dill
+
+# $(call install_no_deps,PYTHON): torchtitan 0.3.0 (Python >= 3.11 only) and OLMo-core with the list above,
+# each without its own dependencies; what the `trainers` extra of pyproject.toml cannot pin.
+define install_no_deps
+	@if $(1) -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then \
+		echo "$(1) -m pip install --quiet --no-deps torchtitan==0.3.0"; \
+		$(1) -m pip install --quiet --no-deps torchtitan==0.3.0; \
+	else \
+		echo "Python < 3.11: torchtitan 0.3.0 (Python >= 3.11) is not installed; its tests will skip"; \
+	fi
+	$(1) -m pip install --quiet --no-deps $(OLMO_CORE)
+endef
 
 # torchtitan 0.3.0 is a test dependency (tests/test_torchtitan.py runs its own meshes, models and
 # parallelisms), installed without its dependencies (datasets, wandb, torchdata, ...): the parts
@@ -45,13 +57,20 @@ $(STAMP): pyproject.toml
 		"$$($(PYTHON) -c 'import sys; print(*sys.version_info[:2])')" 2>/dev/null || $(PYTHON) -m venv --clear $(VENV)
 	$(PY) -m pip install --quiet $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) torch==$(TORCH) numpy
 	$(PY) -m pip install --quiet $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) -e '.[test]' torch==$(TORCH)
-	@if $(PY) -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then \
-		echo "$(PY) -m pip install --quiet --no-deps torchtitan==0.3.0"; \
-		$(PY) -m pip install --quiet --no-deps torchtitan==0.3.0; \
-	else \
-		echo "Python < 3.11: torchtitan 0.3.0 (Python >= 3.11) is not installed; its tests will skip"; \
-	fi
-	$(PY) -m pip install --quiet --no-deps $(OLMO_CORE)
+	$(call install_no_deps,$(PY))
+	touch $@
+
+# A venv with only what a user of the trainer integrations installs: torch, the package itself (not
+# editable, no test extra: no pytest, which would bring packages a trainer forgot), the `trainers` extra
+# and the no-deps installs above. `make test-trainers` imports each integration with its trainer there.
+TRAINERS_VENV ?= .venv-trainers
+TRAINERS_PY := $(TRAINERS_VENV)/bin/python
+TRAINERS_STAMP := $(TRAINERS_VENV)/.installed-$(VERSION)-torch-$(TORCH)
+$(TRAINERS_STAMP): pyproject.toml
+	$(PYTHON) -m venv --clear $(TRAINERS_VENV)
+	$(TRAINERS_PY) -m pip install --quiet $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) torch==$(TORCH) numpy
+	$(TRAINERS_PY) -m pip install --quiet $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) '.[trainers]' torch==$(TORCH)
+	$(call install_no_deps,$(TRAINERS_PY))
 	touch $@
 
 # matplotlib for the plots: a bench-only extra (torchtitan's clip, study 3's baseline, comes with the tests').
@@ -84,6 +103,11 @@ test: $(STAMP)
 
 test-quick: $(STAMP)
 	$(PY) -m pytest -m "not slow"
+
+# Each trainer integration imported and run once with its trainer, in the venv above (made the first time),
+# this tree's package read from the checkout.
+test-trainers: $(TRAINERS_STAMP)
+	$(TRAINERS_PY) -m tests.trainer_imports
 
 # The whole suite on one torch release, in a venv of its own made the first time and reused
 # (`make test-torch TORCH=2.11.0`). PyPI's torch wheels for Linux x86_64 are CUDA builds, about
