@@ -96,7 +96,8 @@ def _check_clip_args(max_norm: float | torch.Tensor, eps: float, nonfinite: str)
         raise TypeError(f"max_norm must be a number or a 0-dim tensor, got {type(max_norm).__name__}")
     elif not max_norm >= 0:  # NaN too; math.isnan fails on the symbolic float torch.compile may pass
         raise ValueError(f"max_norm must be >= 0, got {max_norm}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or math.isnan(eps) or eps < 0:
+    # `not x >= 0` is false for NaN too: math.isnan fails on the symbolic float torch.compile passes with dynamic=True.
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
         raise ValueError(f"eps must be a number >= 0, got {eps!r}")
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")

@@ -149,6 +149,6 @@ def norm_kind(norm_type: float) -> NormKind:
         return NormKind(p, "max")
     if p == -math.inf:
         return NormKind(p, "min")
-    if math.isnan(p) or p < 0:
+    if not p >= 0:  # NaN too, and traceable: math.isnan fails on the symbolic float of dynamic=True
         raise ValueError(f"norm_type must be p > 0, 0, inf or -inf, got {norm_type!r}")
     return NormKind(p, "sum")
