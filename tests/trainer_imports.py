@@ -106,11 +106,18 @@ def check_pytorch_lightning() -> str:
 
 
 def check_transformers() -> str:
-    import transformers  # noqa: F401
-    from transformers import Trainer, TrainingArguments  # noqa: F401
+    import tempfile
 
-    importlib.import_module("ppclip_func.transformers")
-    return "ppclip_func.transformers imported with transformers.Trainer"
+    from transformers import Trainer, TrainingArguments
+
+    from ppclip_func.transformers import use_ppclip
+
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(output_dir=out, use_cpu=True, report_to=[], max_grad_norm=1.0)
+        trainer = use_ppclip(Trainer(model=_linear_with_grad(), args=args))
+        assert isinstance(trainer, Trainer)
+        assert float(trainer._clip_grad_norm(trainer.model)) == 5.0
+    return "use_ppclip(Trainer(...)) and its _clip_grad_norm on one process"
 
 
 CHECKS: dict[str, Callable[[], str]] = {
