@@ -199,7 +199,7 @@ def scale_per_leaf(
         if len(idx) != len(shards):
             c = c[constant(idx, torch.int64, device)]
         # Traced, the whole rule (norms, gamma, divisions) would otherwise be inlined into every element's
-        # multiply (GPT-2 shapes: 1.5x the plain clip's time).
+        # multiply (see _scale.own_buffer).
         c = factor_for(own_buffer(c), device, dtype)
         multiply_group(shards, out, group, idx, list(c.unbind()), keep, inplace=inplace)
     return out

@@ -391,7 +391,7 @@ def carries_state(world: World) -> bool:
 def _moves_data(group_name: str) -> bool:
     own_caches()
     moves = _MOVES_DATA.get(group_name)
-    if moves is None:  # resolving the group and its backend costs ~15 us a call: once per group
+    if moves is None:  # resolving the group and its backend costs more than the rest: once per group
         moves = _MOVES_DATA[group_name] = str(dist.get_backend(_torch.resolve_group(group_name))) != "fake"
     return moves
 
@@ -423,8 +423,7 @@ def state_entries(
 
 def host_entries(state: Sequence[torch.Tensor], kind: NormKind) -> list[int] | None:
     """:func:`state_entries`' values computed on the host, as Python ints, from :func:`host_fingerprint`'s
-    digits (a ``ClipState``'s in ~2.4 us, where the tensor ops take ~19 us, each op a few us of dispatch);
-    ``None`` where that cannot be done (then the tensor ops take it). Eager only: the clip does not call
+    digits (a fraction of the tensor ops' time, each op being a dispatch); ``None`` where that cannot be done (then the tensor ops take it). Eager only: the clip does not call
     it while tracing."""
     digits = host_fingerprint(state)
     if digits is None:
@@ -438,7 +437,7 @@ _ENTRY_BUFFERS = threading.local()
 
 def _buffered(values: list[int]) -> torch.Tensor:
     """The :data:`STATE_ENTRIES` ``values`` as a float64 CPU tensor over a buffer of this thread's, written
-    in place: no torch op (a new tensor a step costs ~10 us inside the clip). It holds them until this
+    in place: no torch op (a new tensor a step would be one more allocation in the clip). It holds them until this
     thread's next call; the clip copies them into its statistics at once."""
     slot = getattr(_ENTRY_BUFFERS, "slot", None)
     if slot is None:
@@ -588,8 +587,8 @@ def _host_bytes(state: Sequence[torch.Tensor]) -> bytes | None:
         codes += code
     else:
         # Every tensor a 0-dim one whose Python value holds its bits exactly (a ClipState's three are
-        # such): their values packed, a third of the time of reading each one's memory. (tolist, not item:
-        # inside the clip, where this code runs cold once a step, ~40 % less.)
+        # such): their values packed, faster than reading each one's memory. (tolist, not item: the faster
+        # of the two inside the clip, where this code runs cold once a step.)
         return struct.pack(codes, *[t.tolist() for t in state])
     parts, size = [], 0
     for t in state:

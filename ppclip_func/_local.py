@@ -8,18 +8,15 @@ min).
 
 Accuracy comes from short accumulations. torch's CPU norm kernels add a
 whole tensor into one accumulator (16 vector lanes for an fp32 2-norm, one
-scalar for the other orders and for a bf16 input with an fp32 result): that
-loses about 1e-3 relative on a 25M-element fp32 leaf, 5e-3 on a strided
-20M-element one, 1.5e-6 already on 4096 positive elements with ``p=1``, and
-1.5e-6 on 8192 fp32 elements holding bf16 values (short mantissas make its
-rounding biased). So 2-norms are taken over rows of ``ROW`` elements (fp32
-leaves up to ``WHOLE`` whole), other orders as a cascade ``sum`` of
-``|x|^p``, and the partial results are combined in float64. The accuracy
-follows from that structure: no path reduces a leaf with a BLAS call, whose
-summation order (and error: an MKL dot of 65536 bf16-valued elements is off
-by 2.7e-6 with 2 threads, 4.0e-6 with 1) is the vendor's, the CPU's and the
-thread count's. Threads split rows, never lengthen one, so the bound is the
-same with any thread count.
+scalar for the other orders and for a bf16 input with an fp32 result), whose
+error grows with the leaf and is biased for bf16-valued data. So 2-norms
+are taken over rows of ``ROW`` elements (fp32 leaves up to ``WHOLE``
+whole), other orders as a cascade ``sum`` of ``|x|^p``, and the partial
+results are combined in float64. No path reduces a leaf with a BLAS call,
+whose summation order is the vendor's, the CPU's and the thread count's;
+threads split rows, never lengthen one, so the bound is the same with any
+thread count. The errors behind each choice, and the timings behind the
+paths below: bench/README.md, "Why the local statistics are built as they are".
 
 Eager on CPU, per bucket (a parallel region per op costs little on an idle
 machine and waits for a core on a busy one, so reads run on the calling
@@ -80,21 +77,19 @@ from ._norms import ABSENT, HAS_ELEMENT, HAS_LEAF, NormKind
 __all__: list[str] = []
 
 STAT_DTYPE = torch.float64
-# Elements per row of a row-wise 2-norm: 128 per vector lane of torch's kernel. Rounding in its
-# accumulator is biased for bf16 data: -1.3e-7 relative to the norm here, -4.8e-7 with rows of 4096.
+# Elements per row of a row-wise 2-norm: 128 per vector lane of torch's kernel; longer rows make the
+# bias of its rounding for bf16 data grow.
 ROW = 1 << 11
-# Elements per scratch block: 2 MiB in fp32, half of it in each core's L2 here, so a copied block is
-# reduced while still in cache (256K and 1M elements measured slower for bf16 GPT-2 grads).
+# Elements per scratch block: 2 MiB in fp32, so that a copied block is reduced while still in a core's L2.
 BLOCK = 1 << 19
-# fp32 dense leaves up to this size have their 2-norm taken whole, by torch's 16-lane kernel: within
-# 4.3e-7 of float64 even for bf16-valued data (8192: 1.5e-6, 32768: 4.6e-6).
+# fp32 dense leaves up to this size have their 2-norm taken whole, by torch's 16-lane kernel: short
+# enough to stay within our bound even for bf16-valued data.
 WHOLE = 1 << 12
 # Larger dense fp32 leaves below this size, eager on CPU: packed into the scratch buffer by one cat
-# per block and reduced in rows: a norm op per leaf costs more than the copy there. From this size
-# each gets one row-wise norm, in place (rows that tile the leaf, see _row_width), cheaper than the
-# copy from about 2^15 elements (bench/README.md, "The medium-leaf path"; 2 threads, leaves of
-# exactly 2^15, an FSDP shard of a 2048 x 2048 weight over 128 ranks: 1.14-1.28x torch's clip as
-# rows, 1.26-1.46x packed). Compiled, leaves above it are the band inductor reduces.
+# per block and reduced in rows, since a norm op per leaf costs more than the copy there. From this size
+# each gets one row-wise norm, in place (rows that tile the leaf, see _row_width); 2^15 is an FSDP shard
+# of a 2048 x 2048 weight over 128 ranks (bench/README.md, "The medium-leaf path"). Compiled, leaves
+# above it are the band inductor reduces.
 PACKED = 1 << 15
 # Device types whose _foreach_norm reduces each tensor in per-block partial sums, combined by a
 # tree (CUDA's multi-tensor norm kernel: blocks of 65536 elements, a few dozen per thread), so a whole
@@ -262,19 +257,16 @@ def _compiled_cpu_statistic(tensors: list[torch.Tensor], kind: NormKind, overflo
     elements, and dense bf16/fp16 leaves of more than ``PACKED``, take
     :func:`_traced`'s row-wise reduction, which inductor compiles into the
     step: eager code would pay a dispatched op per fp32 leaf there, about as
-    long as reading a 56 K-element leaf (300 such leaves: 1.5x torch's
-    compiled clip as one op, 1.0x as rows), and converts a bf16 leaf through
-    the scratch buffer where inductor converts in registers. Every other
-    leaf goes to the one op (:func:`_cpu_statistic`): a reduction per leaf
-    costs inductor about 50 ms of compile time, and for small leaves
-    (packed) and large fp32 ones (their op is short beside the read) the
-    eager code is as fast.
+    long as reading such a leaf, and converts a bf16 leaf through the
+    scratch buffer where inductor converts in registers. Every other leaf
+    goes to the one op (:func:`_cpu_statistic`): a reduction per leaf costs
+    inductor compile time, and for small leaves (packed) and large fp32 ones
+    (their op is short beside the read) the eager code is as fast.
     """
     rows, rest = [], []
     for t in tensors:
         n = t.numel()
-        # Low-precision leaves at any size: inductor converts them in registers, the eager code through a
-        # buffer (100 bf16 leaves of 168 K: 0.64x torch's compiled clip as rows, 1.7x as the op).
+        # Low-precision leaves at any size: inductor converts them in registers, the eager code through a buffer.
         converted = _acc_dtype(t.dtype, overflow_safe) != t.dtype
         banded = kind.op == "sum" and n > PACKED and (n <= TRACED_ROWS or converted) and t.is_contiguous()
         (rows if banded else rest).append(t)
@@ -290,10 +282,8 @@ def _cpu_statistic(tensors: list[torch.Tensor], p: float, op: str, overflow_safe
 
     Traced, a CPU bucket is this one opaque op, run at step time by the code
     the eager clip runs (scratch buffer, packing, row norms), rather than a
-    reduction that inductor generates and compiles for each leaf: about
-    50 ms of compile time per leaf on 2 cores (100 leaves of 168 K elements,
-    the norm alone: 6.8 s of CPU against 1.9 s for torch's one foreach call),
-    for no gain in speed or accuracy. Its only output is a new 0-dim
+    reduction that inductor generates and compiles for each leaf, whose
+    compile time grows with the leaf count for no gain in speed or accuracy. Its only output is a new 0-dim
     tensor; it reads the gradients and writes none.
     """
     kind = NormKind(p, op)
@@ -383,8 +373,7 @@ class _EagerCpu:
         self.overflow_safe = overflow_safe
         # Eagerly, large leaves' row norms run on the calling thread, as torch's norm of a whole leaf does.
         # In a compiled graph (the op), inductor's own reductions, torch's compiled norm among them, use
-        # every thread, and the rows do too (10 fp32 leaves of 1.7 M, 2 threads: 1.16x torch's compiled
-        # clip on one thread).
+        # every thread, and the rows do too.
         self.row_threads = contextlib.nullcontext if in_graph else _calling_thread_only
         self.norms: list[torch.Tensor] = []
         self.stats: list[torch.Tensor] = []
@@ -612,9 +601,7 @@ class _Stream:
 
         Tensors of another dtype (bf16, fp16) are packed by a ``cat`` in their
         own dtype into a staging buffer, then converted by one copy: a ``cat``
-        that converts runs a copy kernel per input (1000 bf16 leaves of 4096
-        elements: 8.3 ms, against 2.4 ms for the ``cat`` in bf16 and 0.8 ms
-        for the conversions of whole blocks).
+        that converts runs a copy kernel per input.
         """
         if run[0].dtype == self.buf.dtype or len(run) == 1:
             torch.cat(run, out=self.buf[start:end])
@@ -632,18 +619,13 @@ def _calling_thread_only() -> Iterator[None]:
     torch's kernels split the work across its threads: a parallel region per
     op, whose end waits for every thread. torch's own clip reduces such
     leaves one by one, each under ``at::internal::GRAIN_SIZE`` (32768), so
-    on the calling thread. Measured with 2 threads on 2 cores (bench/
-    busy_study.py): idle, the regions made 2000 fp32 leaves of 8192 1.3x
-    slower than on one thread; with the other core busy, each waited for
-    it (8 ms per op of 34816 elements, against 5-9 us at 32768). Smaller
-    blocks avoid the regions but double the ops. The row norm of a large
-    dense leaf is kept on the calling thread too: torch's norm of a whole
-    leaf never leaves it, and with the other core busy the regions made 16
-    fp32 leaves of 1 M elements 1.46x torch's clip (1.0-1.1x on one thread;
-    0.8x on two idle cores, a gain a shared machine does not keep).
-    ``torch.set_num_threads`` sets OpenMP's count for the calling thread
-    (and the default for threads that start torch later), for 0.3 us a
-    switch; the count is restored.
+    on the calling thread. The regions cost time on an idle machine and wait
+    for a busy core on a shared one (bench/busy_study.py); smaller blocks
+    avoid them but double the ops. The row norm of a large dense leaf is
+    kept on the calling thread too: torch's norm of a whole leaf never
+    leaves it. ``torch.set_num_threads`` sets OpenMP's count for the calling
+    thread (and the default for threads that start torch later), cheaply;
+    the count is restored.
     """
     threads = torch.get_num_threads()
     if threads == 1:
@@ -703,9 +685,9 @@ def _traced(
     ``ROW`` and a last partial one) and reduced row-wise by one
     ``vector_norm``: no copy, and one
     reduction per leaf that inductor generates itself, with accumulations
-    as short as the eager path's. (Cutting leaves into foreach pieces gave
-    thousands of 0-dim outputs, each a copy in the kernel and a line of
-    Python in inductor's wrapper: 2.9x torch's compiled clip.) A strided
+    as short as the eager path's. (Cutting leaves into foreach pieces would
+    give thousands of 0-dim outputs, each a copy in the kernel and a line of
+    Python in inductor's wrapper.) A strided
     leaf gets one ``vector_norm`` over each index of its outermost dim.
     """
     norms: list[torch.Tensor] = []

@@ -153,7 +153,7 @@ def measure(
         mine = state_entries(state, kind, stats, own)
         stats = torch.cat([stats, mine])
     # Waited for at once, in eager mode: everything after reads it, and every op on the collective's
-    # AsyncCollectiveTensor would go through its Python __torch_dispatch__ (~0.1 ms each on a CPU).
+    # AsyncCollectiveTensor would go through its Python __torch_dispatch__.
     reduced = _plain(all_reduce_statistics(stats, kind, world))
     per_group = bool(labels) or opts.params is not None
     per_entry, total = kind.decode(reduced, per_group=per_group, n_total=n, n=entries)

@@ -33,7 +33,7 @@ Three in-place writes are left as they are, each for a reason:
 * :func:`~ppclip_func.skip_update_`'s undo, one ``_foreach_copy_`` of
   ``where(skip, saved, updated)`` that inductor fuses with the update: the
   update has already written those tensors, so through the op inductor
-  would copy them out and back around it (2.6x the compiled step);
+  would copy them out and back around it (bench/write_back_study.py);
 * the optimizer hand-over's ``grad_scale`` and ``found_inf``, written by a
   function that is never traced (``torch.compiler.disable``).
 
@@ -63,7 +63,7 @@ def _write_back(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
 
 
 # The op, defined with torch.library's schema API rather than ``custom_op``: the same declared mutation
-# for functionalization and inductor, a fifth of the host time per call (12 us against 57 us on this CPU).
+# for functionalization and inductor, with a fraction of custom_op's host time per call.
 LIBRARY = torch.library.Library("ppclip_func", "FRAGMENT")
 LIBRARY.define("write_back_(Tensor(a!)[] dst, Tensor[] src) -> ()")
 LIBRARY.impl("write_back_", _write_back, "CompositeExplicitAutograd")
