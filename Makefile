@@ -26,7 +26,7 @@ DIST_TESTS := tests/test_agree_ranks.py tests/test_distributed_small.py tests/te
 	tests/test_compile_fake_pg.py tests/test_pipeline_mesh.py tests/test_process_groups.py \
 	tests/test_torch_versions.py tests/test_write_back.py
 
-.PHONY: demo demo-spike test test-quick test-trainers test-dist test-torch test-torch-all test-oldest test-pythons gpu-check lint bench clean
+.PHONY: demo demo-spike test test-quick test-trainers test-dist test-torch test-torch-all test-oldest test-pythons gpu-check lint bench bench-quality clean
 
 # OLMo-core 3.0.0 for tests/test_olmo_core.py, without its dependencies: it asks torch < 2.14, which
 # would make pip replace the venv's torch, and cached-path (imported at module level) brings boto3 and
@@ -95,6 +95,13 @@ bench: $(BENCH_STAMP)
 		(command -v apt-get >/dev/null && apt-get update -qq && apt-get install -y -qq libjemalloc2) || \
 		echo "libjemalloc2 could not be installed: the jemalloc row of the bandwidth study will be skipped"
 	$(PY) -m bench
+
+# Does it help: every clip rule trained on the standard library's source, several rates and seeds (bench/quality_study.py):
+# the search, then the study, about 45 minutes on 2 cores; writes bench/results/quality.{json,png}.
+# QUALITY_ARGS="--reuse-search FILE" takes the search from a file written by --search --search-json FILE.
+QUALITY_ARGS ?=
+bench-quality: $(BENCH_STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m bench.quality_study $(QUALITY_ARGS)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check $(LINTED)
