@@ -353,9 +353,10 @@ def agreed(**options: Any) -> tuple[tuple[str, Any], ...]:
     return tuple((name, marked(value)) for name, value in options.items())
 
 
-# A rule's fields after its first, max_norm: what every rank must pass alike. The global threshold may
-# follow a schedule, and a new value every step would be a new configuration, and a gather, every step.
-RULE_STATIC = slice(1, None)
+def rule_fields(rule: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A rule's fields but its first, ``max_norm``: what every rank must pass alike. The global threshold may
+    follow a schedule, and a new value every step would be a new configuration, and a gather, every step."""
+    return tuple(rule[1:])
 
 
 def label_set(labels: Any) -> Any:
@@ -493,7 +494,7 @@ def states_agree(
     values are the ranks' fingerprints combined; ``entries`` this rank's own
     (:func:`state_entries`, made from ``own`` where those were computed on
     the host, :func:`host_entries`). A NaN ``total`` lets the step pass: a
-    peer failed before its statistics (``release_peers``; its own error says
+    peer failed before its statistics (``_failure.release_peers``; its own error says
     why; a max/min all-reduce may drop its NaN entries, the norm's levels
     keep it) or a gradient is NaN, and the step is not taken. The stop:
     eagerly on the CPU a :class:`StateDisagreement` raised here, naming the
