@@ -125,6 +125,7 @@ def main() -> None:
     parser.add_argument("--other", type=Path, help="the checkout to compare against")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help=f"only {QUICK}, 3 rounds")
+    parser.add_argument("--only", nargs="+", default=None, help="cases whose names contain one of these")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "tree_ab.json")
     args = parser.parse_args()
     if args.worker:
@@ -133,6 +134,8 @@ def main() -> None:
     if args.other is None:
         parser.error("--other is required")
     names = QUICK if args.quick else list(CASES)
+    if args.only:
+        names = [n for n in names if any(part in n for part in args.only)]
     rounds = 3 if args.quick else args.rounds
     this, other = ROOT, args.other.resolve()
     results = {}
@@ -155,7 +158,7 @@ def main() -> None:
     from bench._timing import machine
 
     record = {"machine": machine(), "this": _commit(this), "other": _commit(other), "rounds": rounds, "cases": results}
-    if not args.quick:
+    if not args.quick and not args.only:
         args.out.write_text(json.dumps(record, indent=1) + "\n")
         print(f"written to {args.out}")
 

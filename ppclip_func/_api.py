@@ -673,10 +673,11 @@ def _adaptive(
     found, measured = run(form, given, mesh, norm_type, opts, validate, in_place=in_place, state=state)
     measured, scaled = without_excluded(measured, found.kind, groups, found.labels, found.excluded)
     stats = adaptive_stats(measured, state, rule, groups is not None)
-    out = list(measured.leaves.shards)
-    new = apply_clip(
-        [out[i] for i in scaled], stats.threshold, measured.total, eps, nonfinite, found.kind.p, inplace=in_place
-    )
+    shards, p = measured.leaves.shards, found.kind.p
+    if len(scaled) == len(shards):  # nothing excluded
+        return measured, apply_clip(shards, stats.threshold, measured.total, eps, nonfinite, p, inplace=in_place), stats
+    out = list(shards)
+    new = apply_clip([out[i] for i in scaled], stats.threshold, measured.total, eps, nonfinite, p, inplace=in_place)
     for i, t in zip(scaled, new):
         out[i] = t
     return measured, out, stats

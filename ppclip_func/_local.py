@@ -71,8 +71,10 @@ from collections.abc import Iterator
 
 import torch
 
+from ._caches import per_process
 from ._devices import constant
 from ._norms import ABSENT, HAS_ELEMENT, HAS_LEAF, NormKind
+from ._ops import implements
 
 __all__: list[str] = []
 
@@ -276,24 +278,23 @@ def _compiled_cpu_statistic(tensors: list[torch.Tensor], kind: NormKind, overflo
     return parts[0] if len(parts) == 1 else kind.combine(torch.stack(parts))
 
 
-@torch.library.custom_op("ppclip_func::cpu_statistic", mutates_args=())
-def _cpu_statistic(tensors: list[torch.Tensor], p: float, op: str, overflow_safe: bool) -> torch.Tensor:
+@implements("cpu_statistic")
+def _eager_cpu_statistic(tensors: list[torch.Tensor], p: float, op: str, overflow_safe: bool) -> torch.Tensor:
     """The eager CPU path as one op in a compiled graph: :func:`bucket_statistic` of CPU ``tensors``.
 
-    Traced, a CPU bucket is this one opaque op, run at step time by the code
-    the eager clip runs (scratch buffer, packing, row norms), rather than a
-    reduction that inductor generates and compiles for each leaf, whose
-    compile time grows with the leaf count for no gain in speed or accuracy. Its only output is a new 0-dim
-    tensor; it reads the gradients and writes none.
+    Traced, a CPU bucket is this one opaque op (``_ops``), run at step time by
+    the code the eager clip runs (scratch buffer, packing, row norms), rather
+    than a reduction that inductor generates and compiles for each leaf,
+    whose compile time grows with the leaf count for no gain in speed or
+    accuracy. Its only output is a new 0-dim tensor; it reads the gradients
+    and writes none.
     """
     kind = NormKind(p, op)
     norms, stats = _EagerCpu(kind, overflow_safe, in_graph=True).run(tensors)
     return _combine(norms, stats, kind)
 
 
-@_cpu_statistic.register_fake
-def _(tensors: list[torch.Tensor], p: float, op: str, overflow_safe: bool) -> torch.Tensor:
-    return tensors[0].new_empty((), dtype=STAT_DTYPE)
+_cpu_statistic = torch.ops.ppclip_func.cpu_statistic.default
 
 
 def _combine(norms: list[torch.Tensor], stats: list[torch.Tensor], kind: NormKind) -> torch.Tensor:
@@ -337,6 +338,7 @@ def _acc_dtype(dtype: torch.dtype, overflow_safe: bool) -> torch.dtype:
     return torch.float64 if overflow_safe or dtype == torch.float64 else torch.float32
 
 
+@per_process
 @functools.cache
 def _row_width(n: int) -> int:
     """The longest row, of ``ROW // 8`` to ``ROW`` elements, that divides ``n`` (0 if none does).
