@@ -206,7 +206,7 @@ def compiled_case(mesh, quick: bool) -> tuple[str, dict]:
 def alone(mesh, quick: bool) -> dict[str, float]:
     """Microseconds per call of the options check by itself, on its steady-state path (the call repeated)."""
     from ppclip_func._agree import check_call
-    from ppclip_func._measure import _OPTION_FIELDS, NormOptions, _static_options
+    from ppclip_func._setup import OPTION_FIELDS, NormOptions, static_options
 
     world, kind = _world(mesh), norm_kind(2.0)
     n = 100 if not quick else 50
@@ -215,8 +215,8 @@ def alone(mesh, quick: bool) -> dict[str, float]:
     for name, opts in (("options, no groups", NormOptions()), (f"options, {n} groups", NormOptions(groups=groups))):
 
         def check(opts=opts) -> None:  # as the clip makes it
-            key = (kind.p, type(None), *_OPTION_FIELDS(opts))
-            check_call(world, key, lambda: _static_options(kind.p, opts, None), opts.tied)
+            key = (kind.p, type(None), *OPTION_FIELDS(opts))
+            check_call(world, key, lambda: static_options(kind.p, opts, None), opts.tied)
 
         check()  # first sight: the gather
         reps = 2000

@@ -41,15 +41,16 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._agree import RULE_STATIC, label_set
-from ._call import _check_clip_args, _grad_reader, _rewrap
+from ._agree import label_set, rule_fields
 from ._devices import constant, scalar
 from ._exclude import check_exclude, included_params, without_excluded
-from ._measure import Measured, NormOptions, PpDim, measure, validated
-from ._norms import NormKind, norm_kind
+from ._measure import Measured
+from ._norms import norm_kind
 from ._params import ParamIndex, leaf_slots
+from ._path import output, run
 from ._paths import GroupSpec, TiedSpec
 from ._scale import _by_device_and_dtype, factor_for, finite_mask, multiply_group, own_buffer
+from ._setup import Checked, NormOptions, PpDim, check_clip_args
 
 __all__ = ["AdaGCState", "AdaGCStats", "adagc_clip_grad_norm", "adagc_clip_grad_norm_", "init_adagc_state"]
 
@@ -207,11 +208,12 @@ def scale_per_leaf(
 
 def _validate(
     rule: AdaGCRule, state: Any, index: Any, nonfinite: str, groups: Any, exclude: Any, norm_type: Any
-) -> tuple[list[str], frozenset[str], NormKind]:
-    """AdaGC's argument checks: ``(group labels, excluded labels, norm kind)``."""
-    _check_clip_args(math.inf if rule.max_norm is None else rule.max_norm, rule.eps, nonfinite)
+) -> Checked:
+    """AdaGC's argument checks: the norm kind, the group labels and the excluded ones."""
+    check_clip_args(math.inf if rule.max_norm is None else rule.max_norm, rule.eps, nonfinite)
     check_adagc_args(state, index, rule)
-    return (*check_exclude(groups, exclude), norm_kind(norm_type))
+    labels, excluded = check_exclude(groups, exclude)
+    return Checked(norm_kind(norm_type), labels, excluded)
 
 
 def _step(
@@ -229,7 +231,7 @@ def _step(
     measured, counted = without_excluded(measured, norm_kind(p), groups, labels, excluded)
     leaves = measured.leaves
     coef, skip, new_state = adagc_update(measured.total, measured.per_param, state, rule)
-    if measured.agree is not None:  # states that differ: no gradient scaled, the step skipped (see _call._adapt)
+    if measured.agree is not None:  # states that differ: no gradient scaled, the step skipped (_path.adaptive_stats)
         coef = torch.where(measured.agree, coef, 1.0)
         skip = torch.where(measured.agree, skip, True)
     params_in = included_params(index.names, groups, labels, excluded)
@@ -328,19 +330,11 @@ def adagc_clip_grad_norm_(
         (tensor([0.3000, 0.3000]), tensor([0.1040]))
     """
     rule = AdaGCRule(max_norm, relative, beta, warmup, eps)
-    parameters, read_grads = _grad_reader(parameters, "adagc_clip_grad_norm_")
-    agree = (("rule", rule[RULE_STATIC]), ("nonfinite", nonfinite), ("exclude", label_set(exclude)))
-    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, index, pp_mesh, agree)
-    labels, excluded, kind = validated(
-        lambda: _validate(rule, state, index, nonfinite, groups, exclude, norm_type),
-        mesh,
-        parameters,
-        norm_type,
-        opts,
-        state,
+    layout = (pp_dim, pp_mesh, groups, exclude, tied, partial, overflow_safe)
+    _, _, stats = _adagc(
+        "adagc_clip_grad_norm_", parameters, mesh, state, index, norm_type, rule, layout, nonfinite, in_place=True
     )
-    measured = measure(read_grads, parameters, "parameter grad", mesh, kind, opts, state)
-    return _step(measured, index, state, rule, nonfinite, kind.p, (labels, excluded, groups), inplace=True)[1]
+    return stats
 
 
 @torch.no_grad()
@@ -388,16 +382,40 @@ def adagc_clip_grad_norm(
         (tensor([0.5000, 0.5000, 0.5000, 0.5000]), tensor([1.0000], dtype=torch.float64))
     """
     rule = AdaGCRule(max_norm, relative, beta, warmup, eps)
-    agree = (("rule", rule[RULE_STATIC]), ("nonfinite", nonfinite), ("exclude", label_set(exclude)))
+    layout = (pp_dim, pp_mesh, groups, exclude, tied, partial, overflow_safe)
+    measured, scaled, stats = _adagc(
+        "adagc_clip_grad_norm", grads, mesh, state, index, norm_type, rule, layout, nonfinite, in_place=False
+    )
+    return output(measured, scaled), stats
+
+
+def _adagc(
+    form: str,
+    given: Any,
+    mesh: DeviceMesh | None,
+    state: AdaGCState,
+    index: ParamIndex,
+    norm_type: float,
+    rule: AdaGCRule,
+    layout: tuple[Any, ...],
+    nonfinite: str,
+    *,
+    in_place: bool,
+) -> tuple[Measured, list[torch.Tensor], AdaGCStats]:
+    """Both forms' one path; ``layout`` is ``(pp_dim, pp_mesh, groups, exclude, tied, partial, overflow_safe)``."""
+    pp_dim, pp_mesh, groups, exclude, tied, partial, overflow_safe = layout
+    agree = (("rule", rule_fields(rule)), ("nonfinite", nonfinite), ("exclude", label_set(exclude)))
     opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, index, pp_mesh, agree)
-    labels, excluded, kind = validated(
-        lambda: _validate(rule, state, index, nonfinite, groups, exclude, norm_type),
+    found, measured = run(
+        form,
+        given,
         mesh,
-        grads,
         norm_type,
         opts,
-        state,
+        lambda: _validate(rule, state, index, nonfinite, groups, exclude, norm_type),
+        in_place=in_place,
+        state=state,
     )
-    measured = measure(lambda: grads, grads, "gradient", mesh, kind, opts, state)
-    scaled, stats = _step(measured, index, state, rule, nonfinite, kind.p, (labels, excluded, groups), inplace=False)
-    return measured.leaves.unflatten(_rewrap(measured.leaves, scaled)), stats
+    exclusion = (list(found.labels), found.excluded, groups)
+    scaled, stats = _step(measured, index, state, rule, nonfinite, found.kind.p, exclusion, inplace=in_place)
+    return measured, scaled, stats

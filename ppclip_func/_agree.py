@@ -58,8 +58,9 @@ import torch
 import torch.distributed as dist
 
 from . import _torch
+from ._caches import follow_process_group, per_group, per_process
 from ._devices import reads_on_host
-from ._layout import World, device_of, own_caches, per_group_cache
+from ._layout import World, device_of
 from ._norms import NormKind
 
 __all__: list[str] = []
@@ -93,7 +94,7 @@ _ASSERTS = frozenset({"cpu", "cuda"})  # devices with a torch._assert_async kern
 
 _REMEMBERED = 64  # configurations remembered per group and function, the latest ones
 # (group name, option names) -> the option values every rank agreed on, per default process group.
-_VERIFIED: dict[tuple, list[tuple]] = per_group_cache({})
+_VERIFIED: dict[tuple, list[tuple]] = per_group({})
 
 
 class Disagreement(ValueError):
@@ -141,7 +142,7 @@ def check_call(
     if key is None:
         check_options(world, options(), tied)
         return
-    own_caches()  # a key verified under another default process group is forgotten
+    follow_process_group()  # a key verified under another default process group is forgotten
     last = _LAST_CALL.get(world.group_name)
     if last is not None and _as_last(key, *last):
         return
@@ -151,7 +152,7 @@ def check_call(
 
 # Group name -> the last call's key verified there (check_call), as _snapshot copies it, and where its
 # mappings are.
-_LAST_CALL: dict[str, tuple[tuple, tuple[int, ...]]] = per_group_cache({})
+_LAST_CALL: dict[str, tuple[tuple, tuple[int, ...]]] = per_group({})
 
 
 def forget_configurations() -> None:
@@ -168,7 +169,7 @@ def _device_type(world: World) -> str:
 def _verify(
     group_name: str, device_type: str, rank_stage: dict[int, tuple[int, ...]], names: tuple[str, ...], values: tuple
 ) -> None:
-    own_caches()  # configurations agreed on under another default process group are forgotten
+    follow_process_group()  # configurations agreed on under another default process group are forgotten
     seen = _VERIFIED.setdefault((group_name, names), [])
     if any(_same(values, v) for v in reversed(seen)):  # the latest first (check_call has tried the last call)
         return
@@ -353,9 +354,10 @@ def agreed(**options: Any) -> tuple[tuple[str, Any], ...]:
     return tuple((name, marked(value)) for name, value in options.items())
 
 
-# A rule's fields after its first, max_norm: what every rank must pass alike. The global threshold may
-# follow a schedule, and a new value every step would be a new configuration, and a gather, every step.
-RULE_STATIC = slice(1, None)
+def rule_fields(rule: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A rule's fields but its first, ``max_norm``: what every rank must pass alike. The global threshold may
+    follow a schedule, and a new value every step would be a new configuration, and a gather, every step."""
+    return tuple(rule[1:])
 
 
 def label_set(labels: Any) -> Any:
@@ -389,14 +391,14 @@ def carries_state(world: World) -> bool:
 
 @torch.compiler.assume_constant_result
 def _moves_data(group_name: str) -> bool:
-    own_caches()
+    follow_process_group()
     moves = _MOVES_DATA.get(group_name)
     if moves is None:  # resolving the group and its backend costs more than the rest: once per group
         moves = _MOVES_DATA[group_name] = str(dist.get_backend(_torch.resolve_group(group_name))) != "fake"
     return moves
 
 
-_MOVES_DATA: dict[str, bool] = per_group_cache({})
+_MOVES_DATA: dict[str, bool] = per_group({})
 
 
 def state_entries(
@@ -493,7 +495,7 @@ def states_agree(
     values are the ranks' fingerprints combined; ``entries`` this rank's own
     (:func:`state_entries`, made from ``own`` where those were computed on
     the host, :func:`host_entries`). A NaN ``total`` lets the step pass: a
-    peer failed before its statistics (``release_peers``; its own error says
+    peer failed before its statistics (``_failure.release_peers``; its own error says
     why; a max/min all-reduce may drop its NaN entries, the norm's levels
     keep it) or a gradient is NaN, and the step is not taken. The stop:
     eagerly on the CPU a :class:`StateDisagreement` raised here, naming the
@@ -547,7 +549,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8)
 
 
-_WEIGHT_CACHE: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+_WEIGHT_CACHE: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = per_process({})
 
 
 def _weights(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

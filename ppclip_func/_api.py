@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Collection, Iterable
 from typing import Any, TypeVar, overload
@@ -11,14 +10,14 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._adaptive import ClipState, ClipStats, Rule, check_adaptive_args
-from ._agree import RULE_STATIC, label_set
-from ._call import _adapt, _check_clip_args, _grad_reader, _rewrap
+from ._agree import label_set, rule_fields
 from ._exclude import check_exclude, without_excluded
-from ._measure import GroupNorms, NormOptions, PpDim, measure, validated
-from ._norms import NormKind, norm_kind
+from ._measure import Measured
+from ._norms import norm_kind
 from ._params import ParamIndex
+from ._path import adaptive_stats, apply_clip, output, rewrapped, run
 from ._paths import GroupSpec, TiedSpec
-from ._scale import clip_coefficient, finite_mask, scale
+from ._setup import Checked, GroupNorms, NormOptions, PpDim, check_clip_args
 from ._tree import flatten_grads
 
 __all__ = [
@@ -152,8 +151,9 @@ def global_grad_norm(
         {'w': tensor(3.4641, dtype=torch.float64), 'h': tensor(4., dtype=torch.float64)}
     """
     opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, pp_mesh=pp_mesh)
-    kind = validated(lambda: norm_kind(norm_type), mesh, grads, norm_type, opts)
-    measured = measure(lambda: grads, grads, "gradient", mesh, kind, opts)
+    _, measured = run(
+        "global_grad_norm", grads, mesh, norm_type, opts, lambda: Checked(norm_kind(norm_type)), in_place=False
+    )
     return measured.norms(groups is not None)
 
 
@@ -204,12 +204,12 @@ def clip_grads_with_norm(
         >>> clip_grads_with_norm([torch.full((4,), 3.0)], 1.0, torch.tensor(6.0), eps=0.0)
         [tensor([0.5000, 0.5000, 0.5000, 0.5000])]
     """
-    _check_clip_args(max_norm, eps, nonfinite)
+    check_clip_args(max_norm, eps, nonfinite)
     if not isinstance(total_norm, torch.Tensor) or total_norm.dim() != 0:
         raise TypeError(f"total_norm must be a 0-dim tensor, got {total_norm!r}")
     leaves = flatten_grads(grads)
-    scaled = _apply(leaves.shards, max_norm, total_norm, eps, nonfinite, None, inplace=False)
-    return leaves.unflatten(_rewrap(leaves, scaled))
+    scaled = apply_clip(leaves.shards, max_norm, total_norm, eps, nonfinite, None, inplace=False)
+    return leaves.unflatten(rewrapped(leaves, scaled))
 
 
 @overload
@@ -307,12 +307,11 @@ def clip_grad_norm(
         >>> clipped["w"], clipped["b"]
         (tensor([0.5000, 0.5000, 0.5000, 0.5000]), None)
     """
-    agree = (("eps", eps), ("nonfinite", nonfinite))
-    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, pp_mesh=pp_mesh, also_agree=agree)
-    kind = validated(lambda: _clip_kind(max_norm, eps, nonfinite, norm_type), mesh, grads, norm_type, opts)
-    measured = measure(lambda: grads, grads, "gradient", mesh, kind, opts)
-    scaled = _apply(measured.leaves.shards, max_norm, measured.total, eps, nonfinite, kind.p, inplace=False)
-    clipped = measured.leaves.unflatten(_rewrap(measured.leaves, scaled))
+    layout = (pp_dim, pp_mesh, groups, tied, partial, overflow_safe)
+    measured, scaled = _fixed(
+        "clip_grad_norm", grads, mesh, max_norm, norm_type, layout, eps, nonfinite, in_place=False
+    )
+    clipped = output(measured, scaled)
     return (clipped, *measured.norms(True)) if groups is not None else (clipped, measured.norms(False))
 
 
@@ -412,12 +411,10 @@ def clip_grad_norm_(
         >>> model.weight.grad
         tensor([[0.6000, 0.8000]])
     """
-    parameters, read_grads = _grad_reader(parameters, "clip_grad_norm_")
-    agree = (("eps", eps), ("nonfinite", nonfinite))
-    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, pp_mesh=pp_mesh, also_agree=agree)
-    kind = validated(lambda: _clip_kind(max_norm, eps, nonfinite, norm_type), mesh, parameters, norm_type, opts)
-    measured = measure(read_grads, parameters, "parameter grad", mesh, kind, opts)
-    _apply(measured.leaves.shards, max_norm, measured.total, eps, nonfinite, kind.p, inplace=True)
+    layout = (pp_dim, pp_mesh, groups, tied, partial, overflow_safe)
+    measured, _ = _fixed(
+        "clip_grad_norm_", parameters, mesh, max_norm, norm_type, layout, eps, nonfinite, in_place=True
+    )
     return measured.norms(groups is not None)
 
 
@@ -544,16 +541,20 @@ def adaptive_clip_grad_norm_(
         True
     """
     rule = Rule(max_norm, z, alpha, warmup, skip_z, mode, clip_option, clip_factor, zscore_eps, freeze_on_spike)
-    parameters, read_grads = _grad_reader(parameters, "adaptive_clip_grad_norm_")
-    agree = (("rule", rule[RULE_STATIC]), ("eps", eps), ("nonfinite", nonfinite), ("exclude", label_set(exclude)))
-    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, param_norms, pp_mesh, agree)
-    checks = (rule, eps, nonfinite, state, groups, exclude, norm_type)
-    labels, excluded, kind = validated(lambda: _adaptive_checks(*checks), mesh, parameters, norm_type, opts, state)
-    measured = measure(read_grads, parameters, "parameter grad", mesh, kind, opts, state)
-    measured, scaled = without_excluded(measured, kind, groups, labels, excluded)
-    stats = _adapt(measured, state, rule, groups is not None)
-    shards = measured.leaves.shards
-    _apply([shards[i] for i in scaled], stats.threshold, measured.total, eps, nonfinite, kind.p, inplace=True)
+    layout = (pp_dim, pp_mesh, groups, tied, partial, overflow_safe, param_norms)
+    _, _, stats = _adaptive(
+        "adaptive_clip_grad_norm_",
+        parameters,
+        mesh,
+        state,
+        norm_type,
+        rule,
+        layout,
+        eps,
+        exclude,
+        nonfinite,
+        in_place=True,
+    )
     return stats
 
 
@@ -607,44 +608,76 @@ def adaptive_clip_grad_norm(
         (tensor([0.5000, 0.5000, 0.5000, 0.5000]), 6.0, 1.0)
     """
     rule = Rule(max_norm, z, alpha, warmup, skip_z, mode, clip_option, clip_factor, zscore_eps, freeze_on_spike)
-    agree = (("rule", rule[RULE_STATIC]), ("eps", eps), ("nonfinite", nonfinite), ("exclude", label_set(exclude)))
-    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, param_norms, pp_mesh, agree)
-    checks = (rule, eps, nonfinite, state, groups, exclude, norm_type)
-    labels, excluded, kind = validated(lambda: _adaptive_checks(*checks), mesh, grads, norm_type, opts, state)
-    measured = measure(lambda: grads, grads, "gradient", mesh, kind, opts, state)
-    measured, scaled = without_excluded(measured, kind, groups, labels, excluded)
-    stats = _adapt(measured, state, rule, groups is not None)
-    out = list(measured.leaves.shards)
-    new = _apply([out[i] for i in scaled], stats.threshold, measured.total, eps, nonfinite, kind.p, inplace=False)
-    for i, t in zip(scaled, new):
-        out[i] = t
-    return measured.leaves.unflatten(_rewrap(measured.leaves, out)), stats
+    layout = (pp_dim, pp_mesh, groups, tied, partial, overflow_safe, param_norms)
+    measured, out, stats = _adaptive(
+        "adaptive_clip_grad_norm", grads, mesh, state, norm_type, rule, layout, eps, exclude, nonfinite, in_place=False
+    )
+    return output(measured, out), stats
 
 
-def _apply(
-    locals_: list[torch.Tensor],
+# The fixed and the adaptive rule, each shared by its pure and its in-place form: ``layout`` is the forms'
+# (pp_dim, pp_mesh, groups, tied, partial, overflow_safe[, param_norms]), as they take them.
+
+
+def _fixed(
+    form: str,
+    given: Any,
+    mesh: DeviceMesh | None,
     max_norm: float | torch.Tensor,
-    total: torch.Tensor,
+    norm_type: float,
+    layout: tuple[Any, ...],
     eps: float,
     nonfinite: str,
-    norm_type: float | None,
     *,
-    inplace: bool,
-) -> list[torch.Tensor]:
-    keep = finite_mask(total, norm_type, nonfinite)
-    return scale(locals_, functools.partial(clip_coefficient, max_norm, total, eps), inplace=inplace, keep=keep)
+    in_place: bool,
+) -> tuple[Measured, list[torch.Tensor]]:
+    """The clip at a fixed ``max_norm``: the measured norms and the scaled local shards."""
+    pp_dim, pp_mesh, groups, tied, partial, overflow_safe = layout
+    agree = (("eps", eps), ("nonfinite", nonfinite))
+    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, pp_mesh=pp_mesh, also_agree=agree)
+
+    def validate() -> Checked:
+        check_clip_args(max_norm, eps, nonfinite)
+        return Checked(norm_kind(norm_type))
+
+    found, measured = run(form, given, mesh, norm_type, opts, validate, in_place=in_place)
+    shards = measured.leaves.shards
+    return measured, apply_clip(shards, max_norm, measured.total, eps, nonfinite, found.kind.p, inplace=in_place)
 
 
-def _clip_kind(max_norm: Any, eps: Any, nonfinite: Any, norm_type: Any) -> NormKind:
-    """The plain clip's argument checks; its norm kind."""
-    _check_clip_args(max_norm, eps, nonfinite)
-    return norm_kind(norm_type)
+def _adaptive(
+    form: str,
+    given: Any,
+    mesh: DeviceMesh | None,
+    state: ClipState,
+    norm_type: float,
+    rule: Rule,
+    layout: tuple[Any, ...],
+    eps: float,
+    exclude: Collection[str],
+    nonfinite: str,
+    *,
+    in_place: bool,
+) -> tuple[Measured, list[torch.Tensor], ClipStats]:
+    """The clip at ZClip's threshold: the measured norms, the local shards (the excluded ones as given), the stats."""
+    pp_dim, pp_mesh, groups, tied, partial, overflow_safe, param_norms = layout
+    agree = (("rule", rule_fields(rule)), ("eps", eps), ("nonfinite", nonfinite), ("exclude", label_set(exclude)))
+    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, param_norms, pp_mesh, agree)
 
+    def validate() -> Checked:
+        check_clip_args(math.inf if rule.max_norm is None else rule.max_norm, eps, nonfinite)  # None: no cap
+        check_adaptive_args(state, rule)
+        labels, excluded = check_exclude(groups, exclude)
+        return Checked(norm_kind(norm_type), labels, excluded)
 
-def _adaptive_checks(
-    rule: Rule, eps: Any, nonfinite: Any, state: Any, groups: Any, exclude: Any, norm_type: Any
-) -> tuple[list[str], frozenset[str], NormKind]:
-    """The adaptive clip's argument checks: ``(group labels, excluded labels, norm kind)``."""
-    _check_clip_args(math.inf if rule.max_norm is None else rule.max_norm, eps, nonfinite)  # None: no cap
-    check_adaptive_args(state, rule)
-    return (*check_exclude(groups, exclude), norm_kind(norm_type))
+    found, measured = run(form, given, mesh, norm_type, opts, validate, in_place=in_place, state=state)
+    measured, scaled = without_excluded(measured, found.kind, groups, found.labels, found.excluded)
+    stats = adaptive_stats(measured, state, rule, groups is not None)
+    shards, p = measured.leaves.shards, found.kind.p
+    if len(scaled) == len(shards):  # nothing excluded
+        return measured, apply_clip(shards, stats.threshold, measured.total, eps, nonfinite, p, inplace=in_place), stats
+    out = list(shards)
+    new = apply_clip([out[i] for i in scaled], stats.threshold, measured.total, eps, nonfinite, p, inplace=in_place)
+    for i, t in zip(scaled, new):
+        out[i] = t
+    return measured, out, stats

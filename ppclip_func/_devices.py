@@ -20,6 +20,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ._caches import per_process
+
 __all__: list[str] = []
 
 # Device types whose tensors live in the host's memory.
@@ -28,7 +30,7 @@ HOST_MEMORY = frozenset({"cpu"})
 # The most constants kept per process. None is ever dropped (a captured graph may read it at its address);
 # past this many, new ones are made at each call (a configuration that changes every step).
 _MAX_CONSTANTS = 4096
-_CONSTANTS: dict[tuple, torch.Tensor] = {}
+_CONSTANTS: dict[tuple, torch.Tensor] = per_process({})
 
 
 def reads_on_host(t: torch.Tensor) -> bool:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ._caches import per_process
 from ._devices import constant
 from ._measure import Measured
 from ._norms import NormKind
@@ -42,6 +43,7 @@ def group_members(names: list[str], groups: GroupSpec | None) -> dict[int, list[
     return _members.__wrapped__(indices) if torch.compiler.is_compiling() else _members(indices)
 
 
+@per_process
 @functools.lru_cache(maxsize=16)
 def _members(indices: tuple[int, ...]) -> dict[int, list[int]]:
     members: dict[int, list[int]] = {}

@@ -23,12 +23,13 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._agree import agreed, label_set
-from ._call import _check_clip_args, _grad_reader, _rewrap
 from ._exclude import check_exclude, group_members, included_total
-from ._measure import GroupNorms, Measured, NormOptions, PpDim, measure, validated
+from ._measure import Measured
 from ._norms import NormKind, norm_kind
+from ._path import output, run
 from ._paths import GroupSpec, TiedSpec, check_groups
 from ._scale import clip_coefficient, finite_mask, scale
+from ._setup import Checked, GroupNorms, NormOptions, PpDim, check_clip_args
 
 __all__ = ["clip_grad_norm_by_group", "clip_grad_norm_by_group_"]
 
@@ -38,16 +39,16 @@ Threshold = float | torch.Tensor
 
 def check_group_args(
     groups: Any, max_norm: Any, group_max_norm: Any, exclude: Any, eps: float, nonfinite: str, norm_type: Any
-) -> tuple[list[str], dict[str, Threshold], frozenset[str], NormKind]:
-    """Returns ``(labels, group_max_norm, exclude, norm kind)`` checked; raises naming the offending label
-    (static checks)."""
+) -> Checked:
+    """Returns the norm kind, labels, excluded labels and ``group_max_norm`` as a dict, checked; raises naming
+    the offending label (static checks)."""
     if groups is None:
         raise TypeError("groups is required: {label: pattern} says which leaves each threshold applies to")
     labels = check_groups(groups)
     if max_norm is not None:
-        _check_clip_args(max_norm, eps, nonfinite)
+        check_clip_args(max_norm, eps, nonfinite)
     else:
-        _check_clip_args(math.inf, eps, nonfinite)
+        check_clip_args(math.inf, eps, nonfinite)
     group_max_norm = dict(group_max_norm or {})
     _, excluded = check_exclude(groups, exclude)
     unknown = [label for label in group_max_norm if label not in labels]
@@ -58,10 +59,10 @@ def check_group_args(
         raise ValueError(f"group {both[0]!r} is both excluded (never scaled) and given a threshold in group_max_norm")
     for label, value in group_max_norm.items():
         try:
-            _check_clip_args(value, eps, nonfinite)
+            check_clip_args(value, eps, nonfinite)
         except (TypeError, ValueError) as e:
             raise type(e)(f"group_max_norm[{label!r}]: {e}") from None
-    return labels, group_max_norm, excluded, norm_kind(norm_type)
+    return Checked(norm_kind(norm_type), labels, excluded, group_max_norm)
 
 
 def _scale_groups(
@@ -178,14 +179,10 @@ def clip_grad_norm_by_group_(
         >>> [round(float(p.grad[0]), 4) for p in params.values()]  # embed by its own 1.0, mlp by 2.5 / 5
         [1.0, 2.0, 100.0]
     """
-    parameters, read_grads = _grad_reader(parameters, "clip_grad_norm_by_group_")
-    agree = agreed(group_max_norm=group_max_norm, exclude=label_set(exclude), eps=eps, nonfinite=nonfinite)
-    opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, pp_mesh=pp_mesh, also_agree=agree)
-    checks = (groups, max_norm, group_max_norm, exclude, eps, nonfinite, norm_type)
-    labels, thresholds, excluded, kind = validated(lambda: check_group_args(*checks), mesh, parameters, norm_type, opts)
-    measured = measure(read_grads, parameters, "parameter grad", mesh, kind, opts)
-    total, _ = _scale_groups(
-        measured, kind, groups, labels, max_norm, thresholds, excluded, eps, nonfinite, inplace=True
+    options = (groups, max_norm, group_max_norm, exclude, eps, nonfinite)
+    layout = (pp_dim, pp_mesh, tied, partial, overflow_safe)
+    measured, total, _ = _by_group(
+        "clip_grad_norm_by_group_", parameters, mesh, norm_type, options, layout, in_place=True
     )
     return total, measured.per_group
 
@@ -229,12 +226,43 @@ def clip_grad_norm_by_group(
         >>> clipped["attn"], clipped["experts"], total
         (tensor([3., 4.]), tensor([0.0000, 2.0000]), tensor(11.1803, dtype=torch.float64))
     """
+    options = (groups, max_norm, group_max_norm, exclude, eps, nonfinite)
+    layout = (pp_dim, pp_mesh, tied, partial, overflow_safe)
+    measured, total, scaled = _by_group(
+        "clip_grad_norm_by_group", grads, mesh, norm_type, options, layout, in_place=False
+    )
+    return output(measured, scaled), total, measured.per_group
+
+
+def _by_group(
+    form: str,
+    given: Any,
+    mesh: DeviceMesh | None,
+    norm_type: float,
+    options: tuple[Any, ...],
+    layout: tuple[Any, ...],
+    *,
+    in_place: bool,
+) -> tuple[Measured, torch.Tensor, list[torch.Tensor]]:
+    """Both forms' one path: ``options`` is ``(groups, max_norm, group_max_norm, exclude, eps, nonfinite)``,
+    ``layout`` ``(pp_dim, pp_mesh, tied, partial, overflow_safe)``."""
+    groups, max_norm, group_max_norm, exclude, eps, nonfinite = options
+    pp_dim, pp_mesh, tied, partial, overflow_safe = layout
     agree = agreed(group_max_norm=group_max_norm, exclude=label_set(exclude), eps=eps, nonfinite=nonfinite)
     opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, pp_mesh=pp_mesh, also_agree=agree)
-    checks = (groups, max_norm, group_max_norm, exclude, eps, nonfinite, norm_type)
-    labels, thresholds, excluded, kind = validated(lambda: check_group_args(*checks), mesh, grads, norm_type, opts)
-    measured = measure(lambda: grads, grads, "gradient", mesh, kind, opts)
-    total, scaled = _scale_groups(
-        measured, kind, groups, labels, max_norm, thresholds, excluded, eps, nonfinite, inplace=False
+    found, measured = run(
+        form, given, mesh, norm_type, opts, lambda: check_group_args(*options, norm_type), in_place=in_place
     )
-    return measured.leaves.unflatten(_rewrap(measured.leaves, scaled)), total, measured.per_group
+    total, scaled = _scale_groups(
+        measured,
+        found.kind,
+        groups,
+        list(found.labels),
+        max_norm,
+        found.thresholds,
+        found.excluded,
+        eps,
+        nonfinite,
+        inplace=in_place,
+    )
+    return measured, total, scaled

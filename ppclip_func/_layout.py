@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
 from . import _torch
+from ._caches import follow_process_group, per_group
 
 __all__: list[str] = []
 
@@ -72,40 +73,16 @@ class World:
     size: int = 0
 
 
-# Layout facts cached across calls. They belong to one process group: a group
-# destroyed and re-created in the same process (a notebook, an in-process
-# restart, elastic re-configuration, a test re-joining a fake world as another
-# rank) gives equal-looking meshes whose group names and ranks may now mean
-# something else, so the caches are dropped whenever the default group changes.
-_CACHE_OWNER: list[object] = [None]  # the default process group the caches below were filled under
-_WORLDS: dict[tuple, World] = {}
+# Layout facts cached across calls (per process group: _caches).
+_WORLDS: dict[tuple, World] = per_group({})
 # Keyed by mesh value: sub-meshes of different stages compare equal (same root
 # rank map and layout) but hold different ranks; a process is one rank of one
 # group, so it only ever sees its own.
-_MESH_RANKS: dict[DeviceMesh, list[int]] = {}
+_MESH_RANKS: dict[DeviceMesh, list[int]] = per_group({})
 # ``copies`` per (world, leaf mesh, placements): it depends on the layout, not
-# on the step, and working it out walks the leaf mesh's ranks (at 16K ranks and
-# 1000 leaves that was 0.4 s a call). Worlds are held by ``_WORLDS``, so their
-# ids stay theirs until the caches are dropped together.
-_COPIES: dict[tuple[int, DeviceMesh, tuple[Placement, ...]], int] = {}
-
-
-_PER_GROUP: list[dict] = [_WORLDS, _MESH_RANKS, _COPIES]  # every cache that belongs to one process group
-
-
-def per_group_cache(cache: dict) -> dict:
-    """Registers ``cache`` (another module's) to be dropped with the layout caches by :func:`own_caches`."""
-    _PER_GROUP.append(cache)
-    return cache
-
-
-def own_caches() -> None:
-    """Drops every per-group cache if the default process group is not the one they were filled under."""
-    group = dist.group.WORLD if dist.is_initialized() else None
-    if group is not _CACHE_OWNER[0]:
-        for cache in _PER_GROUP:
-            cache.clear()
-        _CACHE_OWNER[0] = group
+# on the step, and working it out walks the leaf mesh's ranks. Worlds are held
+# by ``_WORLDS``, so their ids stay theirs until the caches are dropped together.
+_COPIES: dict[tuple[int, DeviceMesh, tuple[Placement, ...]], int] = per_group({})
 
 
 def device_of(device_type: str) -> torch.device:
@@ -186,7 +163,7 @@ def resolve_world(mesh: DeviceMesh | None, stages: Stages, leaf_meshes: Sequence
                 return World(mesh=None, stage_size=1, rank_stage={}, group_name=None)
             return _make_world(_largest_nesting(leaf_meshes), stages, False)
         return _make_world(mesh, stages, True)
-    own_caches()
+    follow_process_group()
     if mesh is None and isinstance(stages, DeviceMesh):
         mesh = _torch.root_mesh(stages)
     if mesh is None:
@@ -364,7 +341,7 @@ def _group_name(mesh: DeviceMesh) -> str | None:
 def _mesh_ranks(mesh: DeviceMesh) -> list[int]:
     # Cached: reading ``mesh.mesh`` builds a tensor, per leaf and per step otherwise.
     # Under torch.compile this runs at trace time, outside resolve_world's check.
-    own_caches()
+    follow_process_group()
     if mesh not in _MESH_RANKS:
         _MESH_RANKS[mesh] = mesh.mesh.flatten().tolist()
     return _MESH_RANKS[mesh]

@@ -25,7 +25,7 @@ leaves and row norms of large ones; only the bf16/fp16 conversions, which
 are compute-bound, use torch's other threads):
 
 * fp32 (and fp64) 2-norms: leaves up to ``WHOLE`` elements read in place
-  by one ``_foreach_norm`` call, as torch's own clip; below ``PACKED``
+  by one ``_foreach_norm`` call, as torch's own clip; below ``ROWS_FROM``
   packed side by side into the scratch buffer (one ``cat`` per block) and
   reduced in rows of ``ROW``: a norm op per leaf costs more than the copy
   there; larger ones one row-wise ``vector_norm`` each, in place, their last
@@ -48,8 +48,8 @@ Under ``torch.compile`` on CPU, each bucket is one custom op
 (``ppclip_func::cpu_statistic``) that runs this same eager code at step
 time (the row norms of large leaves on every thread there, as inductor's
 kernels run), so inductor compiles no reduction per leaf, except for dense fp32
-leaves of ``PACKED`` to ``TRACED_ROWS`` elements (the FSDP-shard band) and
-dense bf16/fp16 leaves above ``PACKED``, which :func:`_traced` reduces as
+leaves of ``ROWS_FROM`` to ``TRACED_ROWS`` elements (the FSDP-shard band) and
+dense bf16/fp16 leaves above ``ROWS_FROM``, which :func:`_traced` reduces as
 rows inside the graph. On a device whose
 ``_foreach_norm`` kernel sums each tensor in blocks of partial sums
 (``BLOCKWISE_FOREACH``: CUDA), every leaf goes whole into one
@@ -71,8 +71,10 @@ from collections.abc import Iterator
 
 import torch
 
+from ._caches import per_process
 from ._devices import constant
 from ._norms import ABSENT, HAS_ELEMENT, HAS_LEAF, NormKind
+from ._ops import implements
 
 __all__: list[str] = []
 
@@ -90,17 +92,17 @@ WHOLE = 1 << 12
 # each gets one row-wise norm, in place (rows that tile the leaf, see _row_width); 2^15 is an FSDP shard
 # of a 2048 x 2048 weight over 128 ranks (bench/README.md, "The medium-leaf path"). Compiled, leaves
 # above it are the band inductor reduces.
-PACKED = 1 << 15
+ROWS_FROM = 1 << 15
 # Device types whose _foreach_norm reduces each tensor in per-block partial sums, combined by a
 # tree (CUDA's multi-tensor norm kernel: blocks of 65536 elements, a few dozen per thread), so a whole
 # leaf of any size is accurate to float32 rounding. Tests add "cpu" to run this branch on a CPU.
 BLOCKWISE_FOREACH = frozenset({"cuda"})
-# Compiled on CPU, dense fp32 leaves of PACKED to this size (bf16/fp16 ones of any size above PACKED) are
+# Compiled on CPU, dense fp32 leaves of ROWS_FROM to this size (bf16/fp16 ones of any size above ROWS_FROM) are
 # reduced by inductor's own row reductions (see _compiled_cpu_statistic); every other leaf by the eager
 # code, as one op.
 TRACED_ROWS = 1 << 18
 # Leaves up to this size (contiguous ones; any up to ROW) are packed into the scratch by one cat.
-PACK = 1 << 15
+CAT_LIMIT = 1 << 15
 # Norm-0 counts are exact in fp32 up to 2^24.
 COUNT_WHOLE = 1 << 23
 
@@ -253,8 +255,8 @@ def bucket_statistic(tensors: list[torch.Tensor], kind: NormKind, *, overflow_sa
 def _compiled_cpu_statistic(tensors: list[torch.Tensor], kind: NormKind, overflow_safe: bool) -> torch.Tensor:
     """A CPU bucket in a compiled graph: the eager code as one op, the FSDP-shard band as inductor's rows.
 
-    Dense leaves in their own accumulation dtype of ``PACKED`` to ``TRACED_ROWS``
-    elements, and dense bf16/fp16 leaves of more than ``PACKED``, take
+    Dense leaves in their own accumulation dtype of ``ROWS_FROM`` to ``TRACED_ROWS``
+    elements, and dense bf16/fp16 leaves of more than ``ROWS_FROM``, take
     :func:`_traced`'s row-wise reduction, which inductor compiles into the
     step: eager code would pay a dispatched op per fp32 leaf there, about as
     long as reading such a leaf, and converts a bf16 leaf through the
@@ -268,7 +270,7 @@ def _compiled_cpu_statistic(tensors: list[torch.Tensor], kind: NormKind, overflo
         n = t.numel()
         # Low-precision leaves at any size: inductor converts them in registers, the eager code through a buffer.
         converted = _acc_dtype(t.dtype, overflow_safe) != t.dtype
-        banded = kind.op == "sum" and n > PACKED and (n <= TRACED_ROWS or converted) and t.is_contiguous()
+        banded = kind.op == "sum" and n > ROWS_FROM and (n <= TRACED_ROWS or converted) and t.is_contiguous()
         (rows if banded else rest).append(t)
     parts = [_combine(*_traced(rows, kind, overflow_safe), kind)] if rows else []
     if rest:
@@ -276,24 +278,23 @@ def _compiled_cpu_statistic(tensors: list[torch.Tensor], kind: NormKind, overflo
     return parts[0] if len(parts) == 1 else kind.combine(torch.stack(parts))
 
 
-@torch.library.custom_op("ppclip_func::cpu_statistic", mutates_args=())
-def _cpu_statistic(tensors: list[torch.Tensor], p: float, op: str, overflow_safe: bool) -> torch.Tensor:
+@implements("cpu_statistic")
+def _eager_cpu_statistic(tensors: list[torch.Tensor], p: float, op: str, overflow_safe: bool) -> torch.Tensor:
     """The eager CPU path as one op in a compiled graph: :func:`bucket_statistic` of CPU ``tensors``.
 
-    Traced, a CPU bucket is this one opaque op, run at step time by the code
-    the eager clip runs (scratch buffer, packing, row norms), rather than a
-    reduction that inductor generates and compiles for each leaf, whose
-    compile time grows with the leaf count for no gain in speed or accuracy. Its only output is a new 0-dim
-    tensor; it reads the gradients and writes none.
+    Traced, a CPU bucket is this one opaque op (``_ops``), run at step time by
+    the code the eager clip runs (scratch buffer, packing, row norms), rather
+    than a reduction that inductor generates and compiles for each leaf,
+    whose compile time grows with the leaf count for no gain in speed or
+    accuracy. Its only output is a new 0-dim tensor; it reads the gradients
+    and writes none.
     """
     kind = NormKind(p, op)
     norms, stats = _EagerCpu(kind, overflow_safe, in_graph=True).run(tensors)
     return _combine(norms, stats, kind)
 
 
-@_cpu_statistic.register_fake
-def _(tensors: list[torch.Tensor], p: float, op: str, overflow_safe: bool) -> torch.Tensor:
-    return tensors[0].new_empty((), dtype=STAT_DTYPE)
+_cpu_statistic = torch.ops.ppclip_func.cpu_statistic.default
 
 
 def _combine(norms: list[torch.Tensor], stats: list[torch.Tensor], kind: NormKind) -> torch.Tensor:
@@ -337,6 +338,7 @@ def _acc_dtype(dtype: torch.dtype, overflow_safe: bool) -> torch.dtype:
     return torch.float64 if overflow_safe or dtype == torch.float64 else torch.float32
 
 
+@per_process
 @functools.cache
 def _row_width(n: int) -> int:
     """The longest row, of ``ROW // 8`` to ``ROW`` elements, that divides ``n`` (0 if none does).
@@ -412,7 +414,7 @@ class _EagerCpu:
     def _sums_of_squares(self, tensors: list[torch.Tensor], whole: dict[torch.dtype, list[torch.Tensor]]) -> None:
         """2-norms. Leaves in their accumulation dtype (fp32, fp64) are read in place, by size:
 
-        up to ``WHOLE`` elements whole in the foreach call; below ``PACKED``
+        up to ``WHOLE`` elements whole in the foreach call; below ``ROWS_FROM``
         packed side by side into the scratch buffer by one ``cat`` per block
         and reduced in rows of ``ROW`` (a norm op per leaf would cost more
         than the copy); larger ones row-wise in place, one op each, their
@@ -431,7 +433,7 @@ class _EagerCpu:
             stream = self._stream(_acc_dtype(dtype, self.overflow_safe))
             small = []
             for t, n in zip(tensors, map(torch.Tensor.numel, tensors)):
-                if n <= PACK:
+                if n <= CAT_LIMIT:
                     small.append(t if t.dim() == 1 else t.view(-1))
                 else:
                     stream.add(t)
@@ -445,10 +447,10 @@ class _EagerCpu:
                 whole[dtype].extend(tensors)
                 return
             whole[dtype].extend(t for t, n in zip(tensors, sizes) if n <= WHOLE)
-            packed = [t if t.dim() == 1 else t.view(-1) for t, n in zip(tensors, sizes) if WHOLE < n < PACKED]
+            packed = [t if t.dim() == 1 else t.view(-1) for t, n in zip(tensors, sizes) if WHOLE < n < ROWS_FROM]
             with self.row_threads():  # once for all the large leaves: a few us a switch
                 for t, n in zip(tensors, sizes):
-                    if n >= PACKED:
+                    if n >= ROWS_FROM:
                         packed.extend(self._rows(t, n))
             if packed:
                 self._stream(dtype).pack(packed)
@@ -460,7 +462,7 @@ class _EagerCpu:
                 self._stream(_acc_dtype(dtype, self.overflow_safe)).add(t)
             elif n <= WHOLE:
                 whole[dtype].append(t)
-            elif n < PACKED:
+            elif n < ROWS_FROM:
                 self._stream(dtype).add(dense)
             else:
                 with self.row_threads():
@@ -529,7 +531,7 @@ class _Stream:
 
     def add(self, t: torch.Tensor) -> None:
         n = t.numel()
-        if n <= ROW or (n <= PACK and t.is_contiguous()):
+        if n <= ROW or (n <= CAT_LIMIT and t.is_contiguous()):
             self.pending.append(t.reshape(-1))
             return
         t = _dense_view(t)

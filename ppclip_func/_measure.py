@@ -1,18 +1,17 @@
 """Measuring the global norm: from a gradient pytree to the one collective and back.
 
-The public functions in ``_api`` all go through :func:`measure`: read the
-gradients, check them, weigh each leaf by its layout, reduce the weighted
-local statistics in one all-reduce, and decode the result. Any failure
-before the collective still joins it (:func:`release_peers`), so no peer
+Every public form goes through :func:`measure` (by way of ``_path.run``):
+read the gradients, check them, weigh each leaf by its layout, reduce the
+weighted local statistics in one all-reduce, and decode the result. Any
+failure before the collective still joins it (``_failure``), so no peer
 waits for a rank that raised.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import operator
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -24,45 +23,21 @@ from ._agree import (
     carries_state,
     check_call,
     host_entries,
-    marked,
     state_entries,
     states_agree,
 )
 from ._devices import constant
-from ._layout import World, count_copies, mesh_shape, pipeline_stages, resolve_world
+from ._failure import release
+from ._layout import World, count_copies, pipeline_stages, resolve_world
 from ._local import STAT_DTYPE, leaf_statistics, local_statistics
-from ._norms import ABSENT, HAS_ELEMENT, HAS_LEAF, NormKind, norm_kind
-from ._params import ParamIndex, leaf_slots
-from ._paths import GroupSpec, TiedSpec, check_groups, check_tied, group_indices, tied_stages
-from ._reduce import all_reduce_statistics, mesh_device, reduce_partial, release_peers, world_of
+from ._norms import ABSENT, HAS_ELEMENT, HAS_LEAF, NormKind
+from ._params import leaf_slots
+from ._paths import group_indices, tied_stages
+from ._reduce import all_reduce_statistics, mesh_device, reduce_partial, world_of
+from ._setup import OPTION_FIELDS, GroupNorms, NormOptions, check_norm_options, static_options
 from ._tree import Leaves, flatten_grads
 
 __all__: list[str] = []
-
-PpDim = str | Sequence[str] | None
-GroupNorms = dict[str, torch.Tensor]
-PARTIAL_POLICIES = ("error", "reduce")
-
-
-@dataclasses.dataclass(frozen=True)
-class NormOptions:
-    """How a norm is measured; every field is static Python."""
-
-    pp_dim: PpDim = None
-    groups: GroupSpec | None = None
-    tied: TiedSpec | None = None
-    partial: str = "error"
-    overflow_safe: bool = False
-    params: ParamIndex | None = None
-    pp_mesh: DeviceMesh | None = None
-    # The caller's other static options, ``(name, value)``, that every rank must pass alike
-    # (thresholds, ``exclude``, the adaptive rule's static fields): checked with these (``_agree``). A
-    # repeated call compares them as given; hashed or compared on a miss, each is ``_agree.marked``.
-    also_agree: tuple[tuple[str, Any], ...] = ()
-
-
-# A NormOptions' fields as a tuple (operator.attrgetter: one C call, where dataclasses.astuple deep-copies).
-_OPTION_FIELDS = operator.attrgetter(*(field.name for field in dataclasses.fields(NormOptions)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,14 +82,14 @@ def measure(
     whether or not this rank's input is valid: a rank that fails before the
     collective, for any reason (a bad leaf on one pipeline stage only, a
     kernel that rejects its dtype), first joins the collective with poisoned
-    statistics (:func:`release_peers`), then raises. Its peers never wait
+    statistics (``_failure.release``), then raises. Its peers never wait
     for it; they get a NaN norm.
 
     Every rank checks that all ranks pass the same options (``_agree``: a
     gather the first time a configuration is seen, nothing after): with a
     ``mesh``, first of all; with ``mesh=None``, once the leaves have named
     the world, and a rank that fails before that takes part in the check
-    from :func:`release_peers`. An adaptive ``state`` (a
+    from ``_failure.release``. An adaptive ``state`` (a
     ``ClipState`` or ``AdaGCState``) rides in the one collective as a
     fingerprint; :attr:`Measured.agree` says whether every rank held the same.
     """
@@ -122,11 +97,11 @@ def measure(
     traced = torch.compiler.is_compiling()
 
     def options() -> dict[str, Any]:
-        return _static_options(kind.p, opts, state)
+        return static_options(kind.p, opts, state)
 
     def agree(world: World) -> None:
         # Traced, no key: the check runs at trace time (dynamo cannot trace an attrgetter on a dataclass).
-        key = None if traced else (kind.p, type(state), *_OPTION_FIELDS(opts))
+        key = None if traced else (kind.p, type(state), *OPTION_FIELDS(opts))
         check_call(world, key, options, opts.tied)
         checked[0] = True
 
@@ -142,7 +117,7 @@ def measure(
     except Exception:
         # A rank that fails before its options check still takes part in it (its peers may be in the
         # gather), then in the statistics all-reduce.
-        _release(mesh, given, kind, opts, state, None if checked[0] else options())
+        release(mesh, given, kind, opts, state, None if checked[0] else options())
         raise
     n, entries = len(labels) + 1, stats.numel() // 2
     with_state = state is not None and carries_state(world)
@@ -165,118 +140,11 @@ def measure(
     return Measured(leaves, total, groups, per_param, reduced, same_state, entries)
 
 
-T = TypeVar("T")
-
-
-def validated(
-    validate: Callable[[], T],
-    mesh: Any,
-    given: Any,
-    norm_type: Any,
-    opts: NormOptions,
-    state: tuple[torch.Tensor, ...] | None = None,
-) -> T:
-    """Returns ``validate()``, a public function's own argument checks, run so that a rank they fail on
-    leaves no peer waiting.
-
-    An argument can be valid on some ranks and not on others (an
-    ``exclude=`` label only some ranks' ``groups`` define): a rank that
-    raises here first takes part in the ranks-agree check (which then
-    raises the disagreement on every rank) and, if that passes, joins the
-    statistics all-reduce with a poison, as :func:`measure` does.
-    """
-    try:
-        return validate()
-    except Exception:
-        try:
-            kind: NormKind | None = norm_kind(norm_type)
-        except (TypeError, ValueError):
-            kind = None  # every rank that passed this norm_type is here too: no all-reduce to join
-        _release(mesh, given, kind, opts, state, _static_options(_norm_p(norm_type), opts, state))
-        raise
-
-
-def _release(
-    mesh: Any, given: Any, kind: NormKind | None, opts: NormOptions, state: Any, options: dict[str, Any] | None
-) -> None:
-    """:func:`release_peers` for a rank that failed; with ``options``, it takes part in their check first."""
-    release_peers(
-        mesh,
-        given,
-        kind,
-        opts.pp_dim,
-        opts.pp_mesh,
-        _n_entries(opts),
-        with_state=state is not None,
-        options=None if options is None else (options, opts.tied),
-    )
-
-
-def _norm_p(norm_type: Any) -> Any:
-    """``norm_type`` as :func:`norm_kind` reads it (a float), or as given when it is not a number."""
-    is_number = isinstance(norm_type, (int, float)) and not isinstance(norm_type, bool)
-    return float(norm_type) if is_number else norm_type
-
-
 def _plain(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a plain tensor: in eager mode the collective returns an ``AsyncCollectiveTensor``, which
     waits when first read; nothing in the clip can overlap with it, so it is waited for at once.
     (Traced, there is no such wrapper.)"""
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
-
-
-def _static_options(p: Any, opts: NormOptions, state: Any) -> dict[str, Any]:
-    """What every rank must pass alike, by option (checked once per configuration by ``_agree``).
-
-    ``tied`` is checked apart: each stage declares the tied leaves it holds.
-    """
-    return {
-        "the number of group labels": len(opts.groups) if isinstance(opts.groups, Mapping) else None,
-        "groups": opts.groups,
-        "norm_type": p,
-        "partial": opts.partial,
-        "overflow_safe": opts.overflow_safe,
-        "param_norms": opts.params.names if isinstance(opts.params, ParamIndex) else opts.params,
-        "pp_dim": opts.pp_dim,
-        "pp_mesh": (opts.pp_mesh.mesh_dim_names, mesh_shape(opts.pp_mesh))
-        if isinstance(opts.pp_mesh, DeviceMesh)
-        else opts.pp_mesh,
-        "the adaptive state's type": type(state).__name__ if state is not None else None,
-        **{name: marked(value) for name, value in opts.also_agree},
-    }
-
-
-def _n_entries(opts: NormOptions) -> int:
-    """Length of the statistics vector's first half: groups, the leaves in none, parameters."""
-    params = len(opts.params.names) if isinstance(opts.params, ParamIndex) else 0
-    try:
-        return len(check_groups(opts.groups)) + 1 + params
-    except (TypeError, ValueError):
-        return 1 + params  # every rank raises the same error before any collective
-
-
-def check_norm_options(opts: NormOptions) -> list[str]:
-    """Raises ``TypeError``/``ValueError`` for a malformed option of ``opts``; returns the group labels.
-
-    Only what the options say alone: whether ``pp_dim`` names a dim of the
-    mesh, or ``tied`` a leaf, is known with the mesh and the leaves.
-    """
-    if opts.partial not in PARTIAL_POLICIES:
-        raise ValueError(f"partial must be one of {PARTIAL_POLICIES}, got {opts.partial!r}")
-    if not isinstance(opts.overflow_safe, bool):
-        raise TypeError(f"overflow_safe must be a bool, got {opts.overflow_safe!r}")
-    if opts.params is not None and not isinstance(opts.params, ParamIndex):
-        raise TypeError(f"param_norms must be a ParamIndex from param_norm_index(), got {type(opts.params).__name__}")
-    pp_dim = opts.pp_dim
-    if pp_dim is not None and not (
-        isinstance(pp_dim, str) or (isinstance(pp_dim, Sequence) and all(isinstance(d, str) for d in pp_dim))
-    ):
-        raise TypeError(f"pp_dim must be a mesh dim name, a sequence of them, or None, got {pp_dim!r}")
-    if opts.pp_mesh is not None and not isinstance(opts.pp_mesh, DeviceMesh):
-        raise TypeError(f"pp_mesh must be a DeviceMesh or None, got {type(opts.pp_mesh).__name__}")
-    labels = check_groups(opts.groups)
-    check_tied(opts.tied)
-    return labels
 
 
 def _local_part(

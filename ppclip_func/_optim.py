@@ -41,13 +41,13 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from ._adaptive import ClipState, ClipStats, Rule, check_adaptive_args
-from ._agree import RULE_STATIC
-from ._call import _adapt, _check_clip_args, _grad_reader
-from ._measure import GroupNorms, NormOptions, PpDim, measure, validated
-from ._norms import NormKind, norm_kind
+from ._agree import rule_fields
+from ._norms import norm_kind
 from ._params import ParamIndex
+from ._path import adaptive_stats, run
 from ._paths import GroupSpec, TiedSpec
 from ._scale import clip_coefficient, finite_mask, scale
+from ._setup import Checked, GroupNorms, NormOptions, PpDim, check_clip_args
 
 __all__: list[str] = []
 
@@ -258,20 +258,18 @@ def clip_grad_norm_in_optimizer(
         tensor([-0.6000, -0.8000])
     """
     optimizers = optimizers_of(optimizer)
-    parameters, read_grads = _grad_reader(parameters, "clip_grad_norm_in_optimizer")
     agree = (("eps", eps), ("nonfinite", nonfinite))
     opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, pp_mesh=pp_mesh, also_agree=agree)
 
-    def validate() -> NormKind:
+    def validate() -> Checked:
         if nonfinite not in NONFINITE_IN_OPTIMIZER:
             raise ValueError(f"nonfinite must be one of {NONFINITE_IN_OPTIMIZER} here, got {nonfinite!r}")
-        _check_clip_args(max_norm, eps, "propagate")
-        return norm_kind(norm_type)
+        check_clip_args(max_norm, eps, "propagate")
+        return Checked(norm_kind(norm_type))
 
-    kind = validated(validate, mesh, parameters, norm_type, opts)
-    measured = measure(read_grads, parameters, "parameter grad", mesh, kind, opts)
+    found, measured = run("clip_grad_norm_in_optimizer", parameters, mesh, norm_type, opts, validate, in_place=True)
     if nonfinite == "error":
-        finite_mask(measured.total, kind.p, "error")
+        finite_mask(measured.total, found.kind.p, "error")
     skip = ~torch.isfinite(measured.total) if nonfinite == "skip" else None
     hand_over(optimizers, functools.partial(clip_coefficient, max_norm, measured.total, eps), skip)
     return measured.norms(groups is not None)
@@ -347,17 +345,16 @@ def adaptive_clip_grad_norm_in_optimizer(
     """
     rule = Rule(max_norm, z, alpha, warmup, skip_z, mode, clip_option, clip_factor, zscore_eps, freeze_on_spike)
     optimizers = optimizers_of(optimizer)
-    parameters, read_grads = _grad_reader(parameters, "adaptive_clip_grad_norm_in_optimizer")
-    agree = (("rule", rule[RULE_STATIC]), ("eps", eps))
+    agree = (("rule", rule_fields(rule)), ("eps", eps))
     opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, param_norms, pp_mesh, agree)
 
-    def validate() -> NormKind:
-        _check_clip_args(math.inf if max_norm is None else max_norm, eps, "propagate")  # None: no cap
+    def validate() -> Checked:
+        check_clip_args(math.inf if max_norm is None else max_norm, eps, "propagate")  # None: no cap
         check_adaptive_args(state, rule)
-        return norm_kind(norm_type)
+        return Checked(norm_kind(norm_type))
 
-    kind = validated(validate, mesh, parameters, norm_type, opts, state)
-    measured = measure(read_grads, parameters, "parameter grad", mesh, kind, opts, state)
-    stats = _adapt(measured, state, rule, groups is not None)
+    form = "adaptive_clip_grad_norm_in_optimizer"
+    _, measured = run(form, parameters, mesh, norm_type, opts, validate, in_place=True, state=state)
+    stats = adaptive_stats(measured, state, rule, groups is not None)
     hand_over(optimizers, functools.partial(clip_coefficient, stats.threshold, measured.total, eps), stats.skip)
     return stats

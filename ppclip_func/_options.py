@@ -19,10 +19,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ._adaptive import Rule, check_adaptive_args, init_clip_state
-from ._call import _check_clip_args
 from ._exclude import check_exclude
-from ._measure import NormOptions, check_norm_options
 from ._norms import norm_kind
+from ._setup import NormOptions, check_clip_args, check_norm_options
 
 __all__ = ["check_options"]
 
@@ -122,7 +121,7 @@ def _layout_options(values: Mapping[str, Any]) -> NormOptions:
 def _check_clip(values: Mapping[str, Any]) -> None:
     """The static checks of :func:`ppclip_func.clip_grad_norm_`."""
     norm_kind(values["norm_type"])
-    _check_clip_args(values.get("max_norm", 1.0), values["eps"], values["nonfinite"])
+    check_clip_args(values.get("max_norm", 1.0), values["eps"], values["nonfinite"])
     check_norm_options(_layout_options(values))
 
 
@@ -130,7 +129,7 @@ def _check_adaptive(values: Mapping[str, Any]) -> None:
     """The static checks of :func:`ppclip_func.adaptive_clip_grad_norm_`."""
     rule = Rule(*(values[name] for name in Rule._fields))
     norm_kind(values["norm_type"])
-    _check_clip_args(math.inf if rule.max_norm is None else rule.max_norm, values["eps"], values["nonfinite"])
+    check_clip_args(math.inf if rule.max_norm is None else rule.max_norm, values["eps"], values["nonfinite"])
     check_adaptive_args(init_clip_state(), rule)
     check_exclude(values["groups"], values["exclude"])
     check_norm_options(_layout_options(values))

@@ -18,6 +18,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from ._caches import per_process
+
 __all__: list[str] = []
 
 Pattern = str | Callable[[str], bool]
@@ -81,6 +83,7 @@ def group_indices(names: list[str], groups: GroupSpec | None) -> tuple[int, ...]
         return _indices.__wrapped__(*key)
 
 
+@per_process
 @functools.lru_cache(maxsize=16)
 def _indices(names: tuple[str, ...], groups: tuple[tuple[str, Pattern], ...]) -> tuple[int, ...]:
     spec = dict(groups)

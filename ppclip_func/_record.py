@@ -46,8 +46,9 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ._adaptive import ClipStats
+from ._ops import implements
 from ._params import ParamIndex
-from ._write import LIBRARY, copy_into_
+from ._write import copy_into_
 
 __all__ = ["ClipRecorder", "ParamNormStats", "StepRecord"]
 
@@ -424,6 +425,7 @@ def _as_stat(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t if t.dtype == _STAT and t.device == device else t.to(device=device, dtype=_STAT)
 
 
+@implements("record_")
 def _record(
     ring: torch.Tensor, count: torch.Tensor, row: torch.Tensor, stats: list[torch.Tensor], new_stats: list[torch.Tensor]
 ) -> None:
@@ -434,17 +436,6 @@ def _record(
     count.add_(1)
     if stats:
         torch._foreach_copy_(stats, new_stats)
-
-
-LIBRARY.define("record_(Tensor(a!) ring, Tensor(b!) count, Tensor row, Tensor(c!)[] stats, Tensor[] new_stats) -> ()")
-LIBRARY.impl("record_", _record, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("ppclip_func::record_", lib=LIBRARY)
-def _(
-    ring: torch.Tensor, count: torch.Tensor, row: torch.Tensor, stats: list[torch.Tensor], new_stats: list[torch.Tensor]
-) -> None:
-    return None
 
 
 # _record as one op that declares what it writes: a compiled graph runs it after every kernel that reads

@@ -25,7 +25,6 @@ afterwards is the same arithmetic on the same bits.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -34,9 +33,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils import _pytree as pytree
 
-from ._agree import carries_state, check_options, state_poison
 from ._layout import World, device_of, pipeline_stages, resolve_world
-from ._norms import NormKind, norm_kind
+from ._norms import NormKind
 
 __all__: list[str] = []
 
@@ -94,83 +92,11 @@ def world_of(mesh: Any, leaf_meshes: list[DeviceMesh], pp_dim: Any, pp_mesh: Any
         return None
 
 
-def _leaf_meshes(mesh: Any, given: Any) -> list[DeviceMesh]:
+def leaf_meshes(mesh: Any, given: Any) -> list[DeviceMesh]:
+    """The DTensor leaves' meshes of ``given``, which name the world where ``mesh`` is ``None``."""
     if mesh is not None:
         return []
     return [x.device_mesh for x in pytree.tree_leaves(given) if isinstance(x, DTensor)]
-
-
-def release_peers(
-    mesh: DeviceMesh | None,
-    grads: Any,
-    kind: NormKind | None,
-    pp_dim: Any,
-    pp_mesh: Any,
-    n_groups: int,
-    with_state: bool = False,
-    options: tuple[Mapping[str, Any], Any] | None = None,
-) -> None:
-    """Joins the statistics all-reduce with a poison that makes every group's norm NaN on every rank.
-
-    Called by a rank that failed before its collective, whatever the error,
-    so that its peers, which cannot know, never wait for it. Does nothing
-    when there is no collective to join: no mesh and no DTensor leaf, or the
-    world itself cannot be resolved (then every rank of that world fails
-    alike, before any collective).
-
-    Under ``torch.compile`` the join runs for real, at trace time: a rank
-    whose input fails validation fails while tracing, so the join cannot
-    wait for a graph, while its peers, running their compiled graph, are
-    already in the all-reduce.
-
-    Args:
-        mesh: The caller's world mesh argument, or ``None``.
-        grads: What the caller was given (gradients or parameters); with
-            ``mesh=None`` its DTensor leaves name the world, as in the clip.
-        kind: The norm being computed (``None``: not a valid norm type, so no
-            rank of this configuration reaches the all-reduce).
-        pp_dim: The caller's ``pp_dim`` argument.
-        pp_mesh: The caller's ``pp_mesh`` argument.
-        n_groups: Number of groups, including the one for leaves in no group.
-        with_state: The call carries an adaptive state's fingerprint
-            (``_agree``): its entries are joined with NaN, which lets them pass.
-        options: ``(options, tied)`` when this rank failed before its options
-            check (``_agree.check_options``): it takes part in that check
-            first, as its peers do (and raises its ``Disagreement`` if any).
-    """
-    leaf_meshes = _leaf_meshes(mesh, grads)
-    if options is not None and (world := world_of(mesh, leaf_meshes, pp_dim, pp_mesh)) is not None:
-        check_options(world, *options)
-    if kind is None:
-        return  # a norm_type no rank could use: every rank fails alike, before any all-reduce
-    if torch.compiler.is_compiling():
-        _join_at_trace_time(mesh, tuple(leaf_meshes), kind.p, pp_dim, pp_mesh, n_groups, with_state)
-    else:
-        _join(mesh, leaf_meshes, kind, pp_dim, pp_mesh, n_groups, with_state)
-
-
-@torch.compiler.assume_constant_result
-def _join_at_trace_time(
-    mesh: Any, leaf_meshes: Any, p: float, pp_dim: Any, pp_mesh: Any, n_groups: int, with_state: bool
-) -> bool:
-    # Dynamo calls this with the real arguments (plain values: it does not pass
-    # a NormKind through intact) and runs it eagerly; tensors made while
-    # tracing are fake, so the poison is made outside the fake mode.
-    with torch._subclasses.fake_tensor.unset_fake_temporarily():
-        _join(mesh, list(leaf_meshes), norm_kind(p), pp_dim, pp_mesh, n_groups, with_state)
-    return True
-
-
-def _join(
-    mesh: Any, leaf_meshes: list, kind: NormKind, pp_dim: Any, pp_mesh: Any, n_groups: int, with_state: bool
-) -> None:
-    world = world_of(mesh, leaf_meshes, pp_dim, pp_mesh)
-    if world is None or world.group_name is None:
-        return
-    stats = kind.poison(n_groups, mesh_device(world.mesh))
-    if with_state and carries_state(world):
-        stats = torch.cat([stats, state_poison(stats.device)])
-    funcol.wait_tensor(all_reduce_statistics(stats, kind, world))
 
 
 def reduce_partial(leaf: DTensor) -> DTensor:

@@ -50,9 +50,12 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
+from ._ops import implements
+
 __all__ = ["write_back_"]
 
 
+@implements("write_back_")
 def _write_back(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     """``dst[i] = src[i]`` for every ``i``, as if every source were read before any destination is written."""
     # A source that shares memory with a destination other than its own (a swap, a view of another
@@ -60,18 +63,6 @@ def _write_back(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     written = {t.untyped_storage().data_ptr() for t in dst}
     src = [s.clone() if s is not d and s.untyped_storage().data_ptr() in written else s for d, s in zip(dst, src)]
     torch._foreach_copy_(dst, src)
-
-
-# The op, defined with torch.library's schema API rather than ``custom_op``: the same declared mutation
-# for functionalization and inductor, with a fraction of custom_op's host time per call.
-LIBRARY = torch.library.Library("ppclip_func", "FRAGMENT")
-LIBRARY.define("write_back_(Tensor(a!)[] dst, Tensor[] src) -> ()")
-LIBRARY.impl("write_back_", _write_back, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("ppclip_func::write_back_", lib=LIBRARY)
-def _(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    return None
 
 
 _write_back_op = torch.ops.ppclip_func.write_back_.default
