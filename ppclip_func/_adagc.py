@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Iterable
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -72,7 +72,7 @@ class AdaGCState(NamedTuple):
             (after) of its clipped norm; ``inf`` until it sees a norm.
     """
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # the public field's name shadows tuple.count
     gamma: torch.Tensor
 
 
@@ -230,7 +230,8 @@ def _step(
     labels, excluded, groups = exclusion
     measured, counted = without_excluded(measured, norm_kind(p), groups, labels, excluded)
     leaves = measured.leaves
-    coef, skip, new_state = adagc_update(measured.total, measured.per_param, state, rule)
+    per_param = cast(torch.Tensor, measured.per_param)  # measured with params=index: never None
+    coef, skip, new_state = adagc_update(measured.total, per_param, state, rule)
     if measured.agree is not None:  # states that differ: no gradient scaled, the step skipped (_path.adaptive_stats)
         coef = torch.where(measured.agree, coef, 1.0)
         skip = torch.where(measured.agree, skip, True)
@@ -250,7 +251,7 @@ def _step(
         out = list(leaves.shards)
         for i, t in zip(counted, scale_per_leaf([out[i] for i in counted], per_leaf, keep, inplace=inplace)):
             out[i] = t
-    stats = AdaGCStats(measured.total, measured.per_param, coef, skip, new_state, measured.per_group or None)
+    stats = AdaGCStats(measured.total, per_param, coef, skip, new_state, measured.per_group or None)
     return out, stats
 
 

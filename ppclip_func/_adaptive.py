@@ -76,7 +76,7 @@ class ClipState(NamedTuple):
         var: Their variance, likewise.
     """
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # the public field's name shadows tuple.count
     mean: torch.Tensor
     var: torch.Tensor
 

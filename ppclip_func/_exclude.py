@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -52,7 +52,9 @@ def _members(indices: tuple[int, ...]) -> dict[int, list[int]]:
     return members
 
 
-def included_leaves(leaves: Leaves, groups: GroupSpec | None, labels: list[str], excluded: frozenset[str]) -> list[int]:
+def included_leaves(
+    leaves: Leaves, groups: GroupSpec | None, labels: Sequence[str], excluded: frozenset[str]
+) -> list[int]:
     """The positions of the leaves outside the excluded groups (static: names only)."""
     if not excluded:
         return list(range(len(leaves.tensors)))
@@ -62,7 +64,7 @@ def included_leaves(leaves: Leaves, groups: GroupSpec | None, labels: list[str],
 
 
 def included_params(
-    names: tuple[str, ...], groups: GroupSpec | None, labels: list[str], excluded: frozenset[str]
+    names: tuple[str, ...], groups: GroupSpec | None, labels: Sequence[str], excluded: frozenset[str]
 ) -> list[bool] | None:
     """A bool per parameter name: outside the excluded groups (static), or ``None`` when nothing is excluded."""
     if not excluded:
@@ -71,7 +73,7 @@ def included_params(
     return [counted[g] for g in group_indices(list(names), groups)]
 
 
-def included_total(measured: Measured, kind: NormKind, labels: list[str], excluded: frozenset[str]) -> torch.Tensor:
+def included_total(measured: Measured, kind: NormKind, labels: Sequence[str], excluded: frozenset[str]) -> torch.Tensor:
     """The norm of every leaf outside the excluded groups, from the reduced statistics (no collective).
 
     The entries of the groups that count (and of the leaves in no group) are
@@ -88,7 +90,7 @@ def included_total(measured: Measured, kind: NormKind, labels: list[str], exclud
 
 
 def without_excluded(
-    measured: Measured, kind: NormKind, groups: GroupSpec | None, labels: list[str], excluded: frozenset[str]
+    measured: Measured, kind: NormKind, groups: GroupSpec | None, labels: Sequence[str], excluded: frozenset[str]
 ) -> tuple[Measured, list[int]]:
     """``measured`` with the total over the included groups, and the positions of the leaves to scale."""
     if not excluded:

@@ -106,7 +106,7 @@ def _group_coefficient(
     """The smaller of the overall and the group's own clip coefficient, computed in ``dtype``."""
     overall = None if max_norm is None else clip_coefficient(max_norm, total, eps, dtype)
     if own is None:
-        return overall  # type: ignore[return-value]
+        return overall  # type: ignore[return-value]  # not None: the caller skips a group with neither threshold
     group = clip_coefficient(own[0], own[1], eps, dtype)
     return group if overall is None else torch.minimum(overall, group)
 
@@ -250,9 +250,11 @@ def _by_group(
     pp_dim, pp_mesh, tied, partial, overflow_safe = layout
     agree = agreed(group_max_norm=group_max_norm, exclude=label_set(exclude), eps=eps, nonfinite=nonfinite)
     opts = NormOptions(pp_dim, groups, tied, partial, overflow_safe, pp_mesh=pp_mesh, also_agree=agree)
-    found, measured = run(
-        form, given, mesh, norm_type, opts, lambda: check_group_args(*options, norm_type), in_place=in_place
-    )
+
+    def check() -> Checked:
+        return check_group_args(groups, max_norm, group_max_norm, exclude, eps, nonfinite, norm_type)
+
+    found, measured = run(form, given, mesh, norm_type, opts, check, in_place=in_place)
     total, scaled = _scale_groups(
         measured,
         found.kind,

@@ -31,6 +31,7 @@ import collections
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -229,7 +230,7 @@ def world_from_table(
     rank_stage: dict[int, tuple[int, ...]] = {}
     rank_coord: dict[int, tuple[int, ...]] = {}
     for coord in _coordinates(shape):
-        rank = table
+        rank: Any = table  # the nested list, then a rank
         for c in coord:
             rank = rank[c]
         rank_stage[rank] = tuple(coord[d] for d in pp_dims)
@@ -285,9 +286,10 @@ def stage_table(pp_mesh: DeviceMesh) -> dict[int, tuple[int, ...]]:
     return stage_of
 
 
-def _whole_dims(world: World, ranks: Sequence[int]) -> bool:
-    """Whether ``ranks`` are every rank along some dims of the world mesh, at one coordinate of the others."""
-    coords = [world.rank_coord[r] for r in ranks]  # type: ignore[index]
+def _whole_dims(world: World, rank_coord: dict[int, tuple[int, ...]], ranks: Sequence[int]) -> bool:
+    """Whether ``ranks`` are every rank along some dims of the world mesh (``rank_coord``: its
+    ``rank_coord``), at one coordinate of the others."""
+    coords = [rank_coord[r] for r in ranks]
     varying = [d for d in range(len(world.shape)) if len({c[d] for c in coords}) > 1]
     # The ranks agree on every other dim, so they are distinct points of the varying dims' grid:
     # all of it exactly when there are as many of them as it has points.
@@ -321,7 +323,7 @@ def _group_name(mesh: DeviceMesh) -> str | None:
     if mesh.ndim == 1:
         return mesh.get_group().group_name
     if mesh.size() == dist.get_world_size():
-        return dist.group.WORLD.group_name
+        return dist.group.WORLD.group_name  # type: ignore[union-attr]  # a mesh exists: so does the default group
     if mesh.size() == 1:
         return None
     ranks = sorted(_mesh_ranks(mesh))
@@ -394,7 +396,7 @@ def replica_count(world: World, ranks: Sequence[int], shape: tuple[int, ...], pl
     foreign = [r for r in ranks if r not in world.rank_stage]
     if foreign:
         raise ValueError(f"lives on a mesh whose ranks {foreign} are not in the world mesh {world.mesh}")
-    if world.rank_coord is not None and len(ranks) < world.size and not _whole_dims(world, ranks):
+    if world.rank_coord is not None and len(ranks) < world.size and not _whole_dims(world, world.rank_coord, ranks):
         raise ValueError(
             f"lives on a mesh of {len(ranks)} of the {world.size} ranks of the world mesh {world.mesh}, "
             "and nothing says whether the other ranks hold replicas of it or other pipeline stages. With "

@@ -265,7 +265,8 @@ def _compiled_cpu_statistic(tensors: list[torch.Tensor], kind: NormKind, overflo
     inductor compile time, and for small leaves (packed) and large fp32 ones
     (their op is short beside the read) the eager code is as fast.
     """
-    rows, rest = [], []
+    rows: list[torch.Tensor] = []
+    rest: list[torch.Tensor] = []
     for t in tensors:
         n = t.numel()
         # Low-precision leaves at any size: inductor converts them in registers, the eager code through a buffer.
@@ -361,7 +362,8 @@ def _dense_view(t: torch.Tensor) -> torch.Tensor:
     """
     if t.is_contiguous() or t.dim() < 2:
         return t
-    return t.permute(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
+    strides = t.stride()
+    return t.permute(sorted(range(t.dim()), key=lambda d: -strides[d]))
 
 
 # --- eager, CPU ------------------------------------------------------------------------------
@@ -575,7 +577,8 @@ class _Stream:
         self.pending = []
 
     def _flush(self) -> None:
-        buf, fill, run, run_at = self.buf, 0, [], 0
+        buf, fill, run_at = self.buf, 0, 0
+        run: list[torch.Tensor] = []
         for item in self.pending:
             n = item.numel()
             packable = item.dim() == 1 and item.is_contiguous()

@@ -57,10 +57,10 @@ class Measured:
     leaves: Leaves
     total: torch.Tensor
     per_group: dict[str, torch.Tensor]
-    per_param: torch.Tensor | None = None
-    reduced: torch.Tensor | None = None
-    agree: torch.Tensor | None = None
-    entries: int = 0
+    per_param: torch.Tensor | None
+    reduced: torch.Tensor
+    agree: torch.Tensor | None
+    entries: int
 
     def norms(self, with_groups: bool) -> torch.Tensor | tuple[torch.Tensor, GroupNorms]:
         """Returns the public result: the total, and the groups' norms if asked for."""
@@ -121,7 +121,7 @@ def measure(
         raise
     n, entries = len(labels) + 1, stats.numel() // 2
     with_state = state is not None and carries_state(world)
-    if with_state:
+    if state is not None and with_state:
         # The state's fingerprint rides at the end of the vector; eagerly, from a CPU state, it is taken
         # on the host (own: the values), else by tensor ops.
         own = None if traced else host_entries(state, kind)
@@ -135,8 +135,9 @@ def measure(
     same_state = states_agree(reduced, mine, total, kind, world, type(state), own) if with_state else None
     # Float64, as the reduced statistics: every rank holds these bits, whatever leaves it holds (a
     # stage's own dtypes would differ between stages), and a float64 model keeps a float64 norm.
-    groups = {label: per_entry[i] for i, label in enumerate(labels)} if labels else {}
-    per_param = per_entry[n:] if opts.params is not None else None
+    # per_group (labels or params) means per_entry is not None.
+    groups = {label: per_entry[i] for i, label in enumerate(labels)} if labels and per_entry is not None else {}
+    per_param = per_entry[n:] if opts.params is not None and per_entry is not None else None
     return Measured(leaves, total, groups, per_param, reduced, same_state, entries)
 
 
@@ -176,8 +177,8 @@ def _local_part(
     if opts.partial == "reduce":
         for i, t in enumerate(tensors):
             if isinstance(t, DTensor) and any(p.is_partial() for p in t.placements):
-                tensors[i] = _for_leaf(leaves, i, reduce_partial, t)
-                shards[i] = tensors[i].to_local()
+                tensors[i] = reduced = _for_leaf(leaves, i, reduce_partial, t)
+                shards[i] = reduced.to_local()
     tied_n = tied_stages(names, opts.tied) if names is not None else None
     if not leaf_meshes and tied_n is None:
         # Plain, untied tensors: each is held by every rank of its stage (no per-leaf call on 10^4 leaves).
@@ -189,7 +190,7 @@ def _local_part(
         ]
     # Leaves in no group form one more group, so the total covers every leaf.
     n = len(labels) + 1
-    group_of = list(group_indices(names, opts.groups)) if opts.groups else [0] * len(tensors)
+    group_of = list(group_indices(names, opts.groups)) if opts.groups and names is not None else [0] * len(tensors)
     device = shards[0].device if shards else mesh_device(world.mesh)
     if opts.params is not None:
         slots = leaf_slots(opts.params, leaves.index, len(leaves.flat), leaves.paths)

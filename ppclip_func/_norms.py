@@ -122,8 +122,8 @@ class NormKind:
         stats, levels = reduced[:n], reduced[n : 2 * n].abs()
         nan = torch.full_like(stats, math.nan)
         if self.op == "sum":  # sums carry NaN by themselves; a level sum > 0 means some rank had a leaf
-            per_group = torch.where(levels > 0, self.root(stats), nan)
-            return per_group, self.root(stats[:k].sum())
+            norms = torch.where(levels > 0, self.root(stats), nan)
+            return norms, self.root(stats[:k].sum())
         seen_nan = levels >= HAS_NAN
         if self.op == "max":
             values, total = stats, stats[:k].amax()
@@ -131,8 +131,8 @@ class NormKind:
             has_element = levels >= HAS_ELEMENT
             values = torch.where(has_element, stats, 0.0)
             total = torch.where(has_element[:k].any(), stats[:k].amin(), 0.0)
-        per_group = torch.where(seen_nan, nan, torch.where(levels >= HAS_LEAF, values, nan))
-        return per_group, torch.where(seen_nan[:k].any(), math.nan, total)
+        norms = torch.where(seen_nan, nan, torch.where(levels >= HAS_LEAF, values, nan))
+        return norms, torch.where(seen_nan[:k].any(), math.nan, total)
 
 
 def norm_kind(norm_type: float) -> NormKind:

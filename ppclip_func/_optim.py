@@ -142,8 +142,8 @@ def _hand_to_fused(opt: Optimizer, coef: torch.Tensor, skip: torch.Tensor | None
     handed = opt.__dict__.get(_HANDED)
     if handed is None:  # not stepped since an earlier hand-over: this one replaces it
         handed = opt.__dict__[_HANDED] = {"hook": opt.register_step_post_hook(_take_back)}
-    handed["grad_scale"] = opt.grad_scale = grad_scale  # type: ignore[attr-defined]
-    handed["found_inf"] = opt.found_inf = found_inf  # type: ignore[attr-defined]
+    handed["grad_scale"] = opt.grad_scale = grad_scale  # type: ignore[attr-defined]  # read by the fused kernels, as GradScaler sets it
+    handed["found_inf"] = opt.found_inf = found_inf  # type: ignore[attr-defined]  # read by the fused kernels, as GradScaler sets it
 
 
 def _take_back(opt: Optimizer, args: Any, kwargs: Any) -> None:
@@ -174,7 +174,7 @@ def _skip_next_step(opt: Optimizer, skip: torch.Tensor) -> None:
             return None
         return step(*args, **kwargs)
 
-    opt.step = step_unless_skipped  # type: ignore[method-assign]
+    opt.step = step_unless_skipped  # type: ignore[method-assign]  # for one call: _restore_step puts it back
 
 
 # Eager even under torch.compile: torch 2.11's dynamo cannot trace deleting an instance attribute.

@@ -118,6 +118,7 @@ def param_norm_index(
         seen.add(name)
     leaf_meshes = [t.device_mesh for t in leaves.tensors if isinstance(t, DTensor)]
     world = resolve_world(mesh, pipeline_stages(mesh, pp_dim, pp_mesh), leaf_meshes)
+    gathered: list[Any]  # every rank's names, as all_gather_object fills it
     if world.group_name is None:
         gathered = [mine]
     else:

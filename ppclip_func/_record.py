@@ -66,7 +66,7 @@ class ParamNormStats(NamedTuple):
         var: ``(N,)`` float64 (population variance).
     """
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # the public field's name shadows tuple.count
     mean: torch.Tensor
     var: torch.Tensor
 
@@ -240,6 +240,7 @@ class ClipRecorder(Stateful):
                 per-parameter norms (pass ``param_norms=index`` to the clip),
                 or they do not match the index.
         """
+        limit: float | torch.Tensor
         if isinstance(stats, ClipStats):
             total, limit, zscore, skip, norms = (
                 stats.total_norm, stats.threshold, stats.zscore, stats.skip, stats.param_norms,
@@ -266,7 +267,7 @@ class ClipRecorder(Stateful):
         coef = torch.clamp(limit / (total + self.eps), max=1.0)
         clipped = (coef < 1.0) & ~skipped
         head = torch.stack([total, limit, zscore, coef, clipped, skipped])  # stack promotes the flags to float64
-        if not n:
+        if not n or norms is None:  # with n names, norms is not None (checked above)
             _write(self._ring, self._count, head, [], [])
             return
         norms = _as_stat(norms, device)

@@ -25,16 +25,19 @@ afterwards is the same arithmetic on the same bits.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.utils import _pytree as pytree
 
 from ._layout import World, device_of, pipeline_stages, resolve_world
 from ._norms import NormKind
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
 
 __all__: list[str] = []
 
@@ -51,7 +54,7 @@ def all_reduce_statistics(stats: torch.Tensor, kind: NormKind, world: World) -> 
     if world.group_name is None:
         return stats
     device = collective_device(world.mesh, stats.device)
-    reduced = funcol.all_reduce(stats.to(device), kind.op, world.group_name)
+    reduced = funcol.all_reduce(stats.to(device), kind.op, cast("GroupName", world.group_name))
     return reduced.to(stats.device)
 
 
@@ -116,7 +119,7 @@ def reduce_partial(leaf: DTensor) -> DTensor:
     """
     placements = tuple(leaf.placements)
     for p in placements:
-        if p.is_partial() and p.reduce_op not in ("sum", "avg"):
+        if p.is_partial() and cast(Partial, p).reduce_op not in ("sum", "avg"):
             raise ValueError(
                 f"has placement {p}; only Partial('sum') and Partial('avg') grads can be reduced for a norm"
             )

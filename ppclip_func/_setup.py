@@ -61,7 +61,7 @@ class Checked(NamedTuple):
     """What a form's own checks found: the norm, and the group labels and excluded ones where it has groups."""
 
     kind: NormKind
-    labels: tuple[str, ...] = ()
+    labels: Sequence[str] = ()
     excluded: frozenset[str] = frozenset()
     thresholds: Any = None  # the per-group clip's thresholds by label
 

@@ -246,7 +246,7 @@ class AdaGCStateful(Stateful):
         return f"AdaGCStateful({self._state!r})"
 
 
-def _copy_into(own: tuple[torch.Tensor, ...], new: Any, kind: type, name: str) -> None:
+def _copy_into(own: tuple[torch.Tensor, ...], new: Any, kind: type[tuple[Any, ...]], name: str) -> None:
     """Copies ``new``'s tensors into ``own``'s, in place, after checking that they match (host metadata only)."""
     if not isinstance(new, kind) or not all(
         isinstance(n, torch.Tensor) and n.shape == o.shape and n.dtype == o.dtype for n, o in zip(new, own)

@@ -164,7 +164,7 @@ def _mismatch(d: Any, s: Any) -> tuple[type[Exception], str] | None:
         return TypeError, f"{{s}} must be a tensor, got {type(s).__name__}"
     if isinstance(d, DTensor) != isinstance(s, DTensor):
         return TypeError, "{d} and {s} must both be DTensors or neither"
-    if isinstance(d, DTensor):
+    if isinstance(d, DTensor) and isinstance(s, DTensor):  # both, by the check above
         return ValueError, (
             f"{{s}} is laid out as {s.placements} on {s.device_mesh}, {{d}} as {d.placements} on "
             f"{d.device_mesh}: their local shards do not correspond"

@@ -143,6 +143,8 @@ class ClipGradNormMixin:
         tensor([[0.6000, 0.8000]])
     """
 
+    # The LightningModule's, which this is mixed into (declared for the type checker only).
+    trainer: Any
     gradient_clip_norm_type: ClassVar[float] = 2.0
     grad_norm_log_key: ClassVar[str | None] = "grad_norm"
 
@@ -152,11 +154,11 @@ class ClipGradNormMixin:
 
     def on_fit_start(self) -> None:
         """Lightning's hook; first refuses a strategy the clip cannot serve and checks the options, on every rank."""
-        trainer = self.trainer  # type: ignore[attr-defined]
+        trainer = self.trainer
         if trainer.gradient_clip_val and trainer.gradient_clip_algorithm in (None, "norm"):
             _refuse_fsdp1(self)
         _check_mixin_options(self, type(self).__name__)
-        super().on_fit_start()  # type: ignore[misc]
+        super().on_fit_start()  # type: ignore[misc]  # a mixin: the LightningModule's method, after it in the MRO
 
     def clip_gradients(
         self,
@@ -193,9 +195,9 @@ class ClipGradNormMixin:
         if plugin is not None and gradient_clip_algorithm in (None, "norm"):
             _refuse_fsdp1(self)
         if plugin is None:
-            return super().clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)  # type: ignore[misc]
+            return super().clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)  # type: ignore[misc]  # a mixin: the LightningModule's method, after it in the MRO
         with _clip_grad_by_norm_replaced(plugin, clip_by_norm):
-            super().clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)  # type: ignore[misc]
+            super().clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)  # type: ignore[misc]  # a mixin: the LightningModule's method, after it in the MRO
         return found[0] if found else None
 
     def _clip_grad_norm(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
@@ -282,12 +284,12 @@ class AdaptiveClipGradNormMixin(ClipGradNormMixin):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Adds the adaptive statistics to Lightning's checkpoint (as CPU tensors)."""
-        super().on_save_checkpoint(checkpoint)  # type: ignore[misc]
+        super().on_save_checkpoint(checkpoint)  # type: ignore[misc]  # a mixin: the LightningModule's method, after it in the MRO
         checkpoint[CHECKPOINT_KEY] = {k: v.cpu() for k, v in self.clip_state.state_dict().items()}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Restores the adaptive statistics from Lightning's checkpoint, where it has them."""
-        super().on_load_checkpoint(checkpoint)  # type: ignore[misc]
+        super().on_load_checkpoint(checkpoint)  # type: ignore[misc]  # a mixin: the LightningModule's method, after it in the MRO
         if CHECKPOINT_KEY in checkpoint:
             self.clip_state.load_state_dict(checkpoint[CHECKPOINT_KEY])
 

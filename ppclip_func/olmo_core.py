@@ -164,6 +164,7 @@ class PPClipMixin:
 
     ppclip_adaptive: Mapping[str, Any] | None = None
     ppclip_stats: ClipStats | None = None
+    world_mesh: Any  # the train module's, which this is mixed into (declared for the type checker only)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -186,14 +187,14 @@ class PPClipMixin:
         state = self.ppclip_state
         stats = adaptive_clip_grad_norm_(
             _parameters(self),
-            self.world_mesh,  # type: ignore[attr-defined]
+            self.world_mesh,
             state.state,
             norm_type,
             max_norm=max_grad_norm,
             **self.ppclip_adaptive,
         )
         state.update_(stats.state)
-        self.ppclip_stats = stats
+        self.ppclip_stats = stats  # type: ignore[misc]  # empty __slots__, mixed into a class with a __dict__
         return stats.total_norm
 
     def _with_clip_state(self, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -203,19 +204,19 @@ class PPClipMixin:
 
     def state_dict(self, *, optim: bool | None = None) -> dict[str, Any]:
         """The module's state dict, with the adaptive statistics under :data:`STATE_KEY` when adaptive."""
-        return self._with_clip_state(super().state_dict(optim=optim))  # type: ignore[misc]
+        return self._with_clip_state(super().state_dict(optim=optim))  # type: ignore[misc]  # a mixin: the train module's method, after it in the MRO
 
     def state_dict_to_save(self, *, optim: bool | None = None) -> dict[str, Any]:
         """What OLMo-core's checkpointer saves, with the adaptive statistics."""
-        return self._with_clip_state(super().state_dict_to_save(optim=optim))  # type: ignore[misc]
+        return self._with_clip_state(super().state_dict_to_save(optim=optim))  # type: ignore[misc]  # a mixin: the train module's method, after it in the MRO
 
     def state_dict_to_load(self, metadata: Any, *, optim: bool | None = None) -> dict[str, Any]:
         """What OLMo-core's checkpointer loads into; the statistics only if the checkpoint has them."""
-        return _with_saved_clip_state(self, super().state_dict_to_load(metadata, optim=optim), metadata)  # type: ignore[misc]
+        return _with_saved_clip_state(self, super().state_dict_to_load(metadata, optim=optim), metadata)  # type: ignore[misc]  # a mixin: the train module's method, after it in the MRO
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads the module's state; the adaptive statistics, if present, into :attr:`ppclip_state`."""
-        _load_clip_state(self, state_dict, super().load_state_dict)  # type: ignore[misc]
+        _load_clip_state(self, state_dict, super().load_state_dict)  # type: ignore[misc]  # a mixin: the train module's method, after it in the MRO
 
 
 def _with_saved_clip_state(module: Any, state_dict: dict[str, Any], metadata: Any) -> dict[str, Any]:
@@ -237,7 +238,7 @@ def _with_mixin(cls: type) -> type:
     """``cls`` with :class:`PPClipMixin`'s methods. Not ``(PPClipMixin, cls)``: CPython refuses to give a built
     object a class whose first base is another (``object layout differs``), so the subclass has ``cls`` alone."""
 
-    class Converted(cls):  # type: ignore[valid-type,misc]
+    class Converted(cls):
         __slots__ = ()
         ppclip_adaptive: Mapping[str, Any] | None = None
         ppclip_stats: ClipStats | None = None
@@ -299,7 +300,7 @@ def use_ppclip(train_module: Any, *, adaptive: Mapping[str, Any] | None = None) 
         tensor(5., dtype=torch.float64)
     """
     adaptive = _checked_adaptive(adaptive, "use_ppclip(adaptive=...)")  # before anything is changed
-    cls = type(train_module)
+    cls: type = type(train_module)  # `type`: type(x) is not Hashable to mypy (functools.cache)
     if not isinstance(train_module, PPClipMixin) and not getattr(cls, "_ppclip_converted", False):
         train_module.__class__ = _with_mixin(cls)
     train_module.ppclip_adaptive = adaptive

@@ -304,8 +304,8 @@ def _draw(records: list[dict[str, Any]], figure_cls: Any, title: str, max_params
     else:
         top.set_xlabel("step")
     for ax in panels:
-        for col in np.flatnonzero(skipped):
-            ax.axvspan(*_span(edges, col), color="red", alpha=0.25, lw=0, zorder=3)
+        for skipped_col in np.flatnonzero(skipped).tolist():
+            ax.axvspan(*_span(edges, skipped_col), color="red", alpha=0.25, lw=0, zorder=3)
     top.set_xlim(edges[0], edges[-1])
     top.margins(y=0.12)
     top.legend(
@@ -412,13 +412,13 @@ def _heatmap(
     boxes = 0
     for record, col in zip(notes, columns):
         for entry in record["spiked"][:_NAMES_PER_STEP]:
-            row = row_of.get(entry["name"])
-            if row is None:
+            shown_row = row_of.get(entry["name"])
+            if shown_row is None:
                 continue  # not among the rows shown; the note below still names it
             boxes += 1
             left, right = _span(edges, col)
-            ax.add_patch(Rectangle((left, row - 0.5), right - left, 1.0, fill=False, ec="red", lw=1.6, zorder=4))
-    handles = []
+            ax.add_patch(Rectangle((left, shown_row - 0.5), right - left, 1.0, fill=False, ec="red", lw=1.6, zorder=4))
+    handles: list[Any] = []  # the legend's: a Line2D and Patches
     if boxes:
         handles.append(
             Line2D([], [], ls="none", marker="s", ms=9, mfc="none", mec="red", mew=1.6, label="attributed parameter")

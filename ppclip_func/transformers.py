@@ -171,6 +171,9 @@ class PPClipMixin:
     ppclip_options: ClassVar[Mapping[str, Any] | None] = None
     ppclip_adaptive: ClassVar[Mapping[str, Any] | None] = None
     ppclip_stats: ClipStats | None = None
+    # The Trainer's, which this is mixed into (declared for the type checker only).
+    args: Any
+    accelerator: Any
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         name = type(self).__name__
@@ -189,18 +192,18 @@ class PPClipMixin:
         """The adaptive threshold's statistics, created on ``args.device`` at the first use."""
         holder = self.__dict__.get("_ppclip_state")
         if holder is None:
-            holder = self.__dict__["_ppclip_state"] = ClipStateful(self.args.device)  # type: ignore[attr-defined]
+            holder = self.__dict__["_ppclip_state"] = ClipStateful(self.args.device)
         return holder
 
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
         """The Trainer's ``_clip_grad_norm``: clips in place to ``max_grad_norm``, returns the norm before."""
         if _keeps_its_clip(self):
-            return super()._clip_grad_norm(model)  # type: ignore[misc]
+            return super()._clip_grad_norm(model)  # type: ignore[misc]  # a mixin: the Trainer's method, after it in the MRO
         config = self._ppclip_config
         parameters = list(model.parameters())
         mesh = _mesh(self)
-        self.accelerator.unscale_gradients()  # type: ignore[attr-defined]
-        max_norm = self.args.max_grad_norm  # type: ignore[attr-defined]
+        self.accelerator.unscale_gradients()
+        max_norm = self.args.max_grad_norm
         if not config.adaptive:
             return clip_grad_norm_(parameters, mesh, max_norm, **config.options)
         state = self.ppclip_state
@@ -212,23 +215,23 @@ class PPClipMixin:
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
         """The Trainer's ``_get_grad_norm``: the norm it logs; measured here when nothing was clipped."""
         if grad_norm is not None or _keeps_its_clip(self):
-            return super()._get_grad_norm(model, grad_norm)  # type: ignore[misc]
+            return super()._get_grad_norm(model, grad_norm)  # type: ignore[misc]  # a mixin: the Trainer's method, after it in the MRO
         options = {k: v for k, v in self._ppclip_config.options.items() if k in _MEASURE_OPTIONS}
         grads = [p.grad for p in model.parameters()]
         mesh = _mesh(self)
-        self.accelerator.unscale_gradients()  # type: ignore[attr-defined]
+        self.accelerator.unscale_gradients()
         return global_grad_norm(grads, mesh, **options)
 
     def _save_scaler(self, output_dir: str) -> None:
         """The Trainer's save of the small state beside the optimizer, with the adaptive statistics."""
-        super()._save_scaler(output_dir)  # type: ignore[misc]
-        if self._ppclip_config.adaptive and self.args.should_save:  # type: ignore[attr-defined]
+        super()._save_scaler(output_dir)  # type: ignore[misc]  # a mixin: the Trainer's method, after it in the MRO
+        if self._ppclip_config.adaptive and self.args.should_save:
             os.makedirs(output_dir, exist_ok=True)
             torch.save({k: v.cpu() for k, v in self.ppclip_state.state_dict().items()}, _state_file(output_dir))
 
     def _load_scaler(self, checkpoint: str | None) -> None:
         """The Trainer's load of that state on resume; the adaptive statistics where the checkpoint has them."""
-        super()._load_scaler(checkpoint)  # type: ignore[misc]
+        super()._load_scaler(checkpoint)  # type: ignore[misc]  # a mixin: the Trainer's method, after it in the MRO
         if checkpoint is None or not self._ppclip_config.adaptive or not os.path.isfile(_state_file(checkpoint)):
             return
         self.ppclip_state.load_state_dict(torch.load(_state_file(checkpoint), map_location="cpu", weights_only=True))
@@ -320,6 +323,7 @@ def use_ppclip(
     )
     _check_trainer(trainer, config, "use_ppclip")
     if not isinstance(trainer, PPClipMixin):
-        trainer.__class__ = _with_mixin(type(trainer))
+        cls: type = type(trainer)  # `type`: type(x) is not Hashable to mypy (functools.cache)
+        trainer.__class__ = _with_mixin(cls)
     trainer._ppclip_config = config
     return trainer
