@@ -106,6 +106,7 @@ bench-quality: $(BENCH_STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/ruff format --check $(LINTED)
+	$(VENV)/bin/mypy
 	$(PY) -m pytest
 
 test-quick: $(STAMP)
