@@ -32,11 +32,11 @@ from torch.distributed.pipelining import Schedule1F1B
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from demo.harness import RanksFailed, run_cases
 from demo.model import ModelConfig, Transformer, build_model, random_batch, split_stage
 from demo.parallel import Pipeline, apply_ddp, apply_ep, apply_fsdp, apply_tp
 from ppclip_func import clip_grad_norm, clip_grad_norm_, global_grad_norm
 from tests._collectives import CollectiveCounter, norm_bits, steady_count
+from tests._cases import case_failures, join_run
 from tests._gather import cast_grads, full_grads, gather_objects, model_gradient
 from tests._reference import assert_close_rel, reference_coefficient, reference_norm
 
@@ -514,42 +514,17 @@ def partial_grads(rank: int, world_size: int) -> None:
 # pytest: one run per world size, one test per layout
 # ---------------------------------------------------------------------------------------------
 
-_RUNS: dict[int, dict[str, dict[int, str]] | str] = {}
-
-
-def _failures(request: pytest.FixtureRequest, case: Callable) -> str:
-    """Why ``case`` failed, by rank ("" if it passed); runs every selected case of its world size once."""
-    n = case.world_size  # type: ignore[attr-defined]
-    if n not in _RUNS:
-        selected = [
-            item.callspec.params["case"]
-            for item in request.session.items
-            if getattr(item, "originalname", None) == "test_layout"
-            and item.module.__name__ == __name__
-            and item.callspec.params["case"].world_size == n
-        ]
-        try:
-            _RUNS[n] = run_cases(selected, n, timeout=120 + 60 * len(selected), case_timeout=60)
-        except RanksFailed as e:
-            _RUNS[n] = f"the {n}-rank run stopped early:\n{e}"
-    run = _RUNS[n]
-    if isinstance(run, str):
-        return run
-    if case.__name__ not in run:
-        return "the case was not run"
-    by_traceback: dict[str, list[int]] = {}
-    for rank, tb in run[case.__name__].items():
-        by_traceback.setdefault(tb, []).append(rank)
-    return "\n".join(f"--- ranks {ranks} ---\n{tb}" for tb, ranks in by_traceback.items())
-
-
 @pytest.mark.parametrize(
     "case",
     [
-        pytest.param(c, id=f"{c.__name__}-{c.world_size}ranks", marks=[pytest.mark.slow] if c.slow else [])
+        pytest.param(
+            join_run(c, c.world_size, 60.0, share=True),
+            id=f"{c.__name__}-{c.world_size}ranks",
+            marks=[pytest.mark.slow] if c.slow else [],
+        )
         for c in CASES
     ],
 )
 def test_layout(case: Callable, request: pytest.FixtureRequest) -> None:
-    failures = _failures(request, case)
+    failures = case_failures(request, case)
     assert not failures, f"{case.__name__} failed:\n{failures}"
