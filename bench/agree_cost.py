@@ -1,12 +1,12 @@
 """What the ranks-agree checks cost in the steady state (issue 26): the clip with each check and without.
 
-* **Options** (``_agree.check_call``): a call that repeats the last
+* **Options** (``_core.agreement.check_call``): a call that repeats the last
   configuration verified on its group is one comparison on the host; a
   configuration met before but not last, a comparison with the ones seen.
   Measured on the eager in-place clip of many small leaves, where host work
   weighs most: ``clip_grad_norm_`` with and without ``groups``, and the
   adaptive clip with ``param_norms=`` (a ``ParamIndex`` of every leaf).
-* **Adaptive state** (``_agree.state_entries``/``states_agree``): four more
+* **Adaptive state** (``_core.agreement.state_entries``/``states_agree``): four more
   float64 entries in the one all-reduce, a fingerprint of the state's bits
   (eagerly on the CPU computed on the host from the state's values, and the
   decision read there; traced, tensor ops and one ``torch._assert_async``).
@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-import ppclip_func._measure as measure_module
+import ppclip_func._core.measure as measure_module
 from bench._dist import single_rank_group, spawn
 from bench._shapes import gpt_shapes, make_grads, make_params, numel
 from bench._timing import interleaved, machine
@@ -60,13 +60,15 @@ from ppclip_func import (
     init_clip_state,
     param_norm_index,
 )
-from ppclip_func._norms import norm_kind
+from ppclip_func._core.norms import norm_kind
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "agree_cost.json"
 
 
-# The modules whose public functions build their callers' options for the check (``_agree.agreed``).
-_CALLERS = tuple(importlib.import_module(f"ppclip_func.{name}") for name in ("_api", "_adagc", "_group_clip", "_optim"))
+# The modules whose public functions build their callers' options for the check (``_core.agreement.agreed``).
+_CALLERS = tuple(
+    importlib.import_module(f"ppclip_func._clip.{name}") for name in ("forms", "adagc", "per_group", "optimizer")
+)
 
 
 @contextlib.contextmanager
@@ -205,8 +207,8 @@ def compiled_case(mesh, quick: bool) -> tuple[str, dict]:
 
 def alone(mesh, quick: bool) -> dict[str, float]:
     """Microseconds per call of the options check by itself, on its steady-state path (the call repeated)."""
-    from ppclip_func._agree import check_call
-    from ppclip_func._setup import OPTION_FIELDS, NormOptions, static_options
+    from ppclip_func._core.agreement import check_call
+    from ppclip_func._core.setup import OPTION_FIELDS, NormOptions, static_options
 
     world, kind = _world(mesh), norm_kind(2.0)
     n = 100 if not quick else 50
@@ -228,7 +230,7 @@ def alone(mesh, quick: bool) -> dict[str, float]:
 
 
 def _world(mesh):
-    from ppclip_func._layout import pipeline_stages, resolve_world
+    from ppclip_func._core.layout import pipeline_stages, resolve_world
 
     return resolve_world(mesh, pipeline_stages(mesh, None, None), [])
 
@@ -236,7 +238,7 @@ def _world(mesh):
 def state_check(mesh, n_stats: int):
     """One eager state check as the clip makes it, by itself: a ClipState's entries, their place at the
     end of a statistics vector of ``n_stats`` values and back out of it, and the comparison."""
-    from ppclip_func._agree import host_entries, state_entries, states_agree
+    from ppclip_func._core.agreement import host_entries, state_entries, states_agree
 
     world, kind, device = _world(mesh), norm_kind(2.0), _device(mesh)
     state = init_clip_state(device)
@@ -275,10 +277,10 @@ def state_check_share(mesh, quick: bool, clip, runs: int) -> dict[str, float]:
 
 # The pieces of the checks on the eager CPU path, where each is called: (module, function, label).
 PIECES = (
-    ("ppclip_func._measure", "check_call", "options: check_call"),
-    ("ppclip_func._measure", "host_entries", "state: fingerprint on the host"),
-    ("ppclip_func._measure", "state_entries", "state: its entries as a tensor"),
-    ("ppclip_func._measure", "states_agree", "state: comparison after the all-reduce"),
+    ("ppclip_func._core.measure", "check_call", "options: check_call"),
+    ("ppclip_func._core.measure", "host_entries", "state: fingerprint on the host"),
+    ("ppclip_func._core.measure", "state_entries", "state: its entries as a tensor"),
+    ("ppclip_func._core.measure", "states_agree", "state: comparison after the all-reduce"),
 )
 
 

@@ -46,7 +46,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-import ppclip_func._local as local
+import ppclip_func._core.statistics as local
 from bench._dist import single_rank_group
 from bench._report import RESULTS, save_figure, write_result
 from bench._shapes import make_grads, make_params

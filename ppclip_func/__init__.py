@@ -5,9 +5,10 @@ every leaf is weighed by its layout, all of them are combined locally, and a
 single functional all-reduce gives every rank the norm of the whole model.
 """
 
-from ._adagc import AdaGCState, AdaGCStats, adagc_clip_grad_norm, adagc_clip_grad_norm_, init_adagc_state
-from ._adaptive import ClipState, ClipStats, init_clip_state, select_update, skip_update_
-from ._api import (
+from ._base.torch_compat import UnsupportedTorchError, UntestedTorchWarning, warn_if_untested
+from ._clip.adagc import AdaGCState, AdaGCStats, adagc_clip_grad_norm, adagc_clip_grad_norm_, init_adagc_state
+from ._clip.adaptive import ClipState, ClipStats, init_clip_state, select_update, skip_update_
+from ._clip.forms import (
     adaptive_clip_grad_norm,
     adaptive_clip_grad_norm_,
     clip_grad_norm,
@@ -15,13 +16,12 @@ from ._api import (
     clip_grads_with_norm,
     global_grad_norm,
 )
-from ._group_clip import clip_grad_norm_by_group, clip_grad_norm_by_group_
-from ._optim import adaptive_clip_grad_norm_in_optimizer, clip_grad_norm_in_optimizer
-from ._params import ParamIndex, param_norm_index
-from ._record import ClipRecorder, ParamNormStats, StepRecord
-from ._stateful import AdaGCStateful, ClipStateful
-from ._torch import UnsupportedTorchError, UntestedTorchWarning, warn_if_untested
-from ._write import write_back_
+from ._clip.optimizer import adaptive_clip_grad_norm_in_optimizer, clip_grad_norm_in_optimizer
+from ._clip.per_group import clip_grad_norm_by_group, clip_grad_norm_by_group_
+from ._clip.record import ClipRecorder, ParamNormStats, StepRecord
+from ._clip.stateful import AdaGCStateful, ClipStateful
+from ._clip.write_back import write_back_
+from ._core.param_norms import ParamIndex, param_norm_index
 
 __all__ = [
     # Measure, apply, or both (pure).

@@ -55,11 +55,11 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._adaptive import ClipStats
-from ._api import adaptive_clip_grad_norm_ as _adaptive_clip_grad_norm_
-from ._api import clip_grad_norm_ as _clip_grad_norm_
-from ._options import check_options
-from ._stateful import ClipStateful
+from ._clip.adaptive import ClipStats
+from ._clip.forms import adaptive_clip_grad_norm_ as _adaptive_clip_grad_norm_
+from ._clip.forms import clip_grad_norm_ as _clip_grad_norm_
+from ._clip.stateful import ClipStateful
+from ._trainers.options import check_options
 
 __all__ = ["adaptive_clip_grad_norm_", "clip_grad_norm_", "patch_accelerator"]
 

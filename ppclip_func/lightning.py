@@ -66,11 +66,11 @@ from typing import Any, ClassVar
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._adaptive import ClipStats
-from ._api import adaptive_clip_grad_norm_, clip_grad_norm_
-from ._norms import norm_kind
-from ._options import check_options
-from ._stateful import ClipStateful
+from ._clip.adaptive import ClipStats
+from ._clip.forms import adaptive_clip_grad_norm_, clip_grad_norm_
+from ._clip.stateful import ClipStateful
+from ._core.norms import norm_kind
+from ._trainers.options import check_options
 
 __all__ = ["AdaptiveClipGradNormMixin", "ClipGradNormMixin"]
 

@@ -31,11 +31,11 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 
-from ._adaptive import ClipStats
-from ._api import adaptive_clip_grad_norm_
-from ._api import clip_grad_norm_ as _clip_grad_norm_
-from ._options import check_options
-from ._stateful import ClipStateful
+from ._clip.adaptive import ClipStats
+from ._clip.forms import adaptive_clip_grad_norm_
+from ._clip.forms import clip_grad_norm_ as _clip_grad_norm_
+from ._clip.stateful import ClipStateful
+from ._trainers.options import check_options
 
 __all__ = ["STATE_KEY", "PPClipMixin", "clip_grad_norm_", "use_ppclip"]
 

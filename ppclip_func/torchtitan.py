@@ -24,7 +24,7 @@ from collections.abc import Iterable
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._api import clip_grad_norm_ as _clip_grad_norm_
+from ._clip.forms import clip_grad_norm_ as _clip_grad_norm_
 
 __all__ = ["clip_grad_norm_"]
 

@@ -66,10 +66,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._adaptive import ClipStats
-from ._api import adaptive_clip_grad_norm_, clip_grad_norm_, global_grad_norm
-from ._options import check_options
-from ._stateful import ClipStateful
+from ._clip.adaptive import ClipStats
+from ._clip.forms import adaptive_clip_grad_norm_, clip_grad_norm_, global_grad_norm
+from ._clip.stateful import ClipStateful
+from ._trainers.options import check_options
 from .accelerate import _world_mesh as _accelerator_mesh
 
 __all__ = ["STATE_NAME", "PPClipMixin", "use_ppclip"]

@@ -44,9 +44,7 @@ def case_failures(request: pytest.FixtureRequest, case: Case) -> str:
         _, world_size, case_timeout = key
         selected = _selected(request.session, key) or [case]
         try:
-            _RUNS[key] = run_cases(
-                selected, world_size, timeout=120 + 60 * len(selected), case_timeout=case_timeout
-            )
+            _RUNS[key] = run_cases(selected, world_size, timeout=120 + 60 * len(selected), case_timeout=case_timeout)
         except (RanksFailed, AssertionError) as e:
             _RUNS[key] = f"the {world_size}-rank run stopped early:\n{e}"
     run = _RUNS[key]

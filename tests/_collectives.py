@@ -70,7 +70,7 @@ AGREE_GATHER = "c10d._allgather_base_"
 
 
 def steady_count(counter: CollectiveCounter) -> int:
-    """Collectives counted, less the one-time agreement gather (``_agree``: the first sight of a
+    """Collectives counted, less the one-time agreement gather (``_core.agreement``: the first sight of a
     configuration on a world group); at most one such gather is allowed."""
     gathers = counter.ops.count(AGREE_GATHER)
     assert gathers <= 1, counter.ops

@@ -19,7 +19,7 @@ is the step's gradient gathered from every rank in float64
 Ours: norms within 1e-6 relative of float64, clipped gradients the float64
 reference scaled by the float64 clip coefficient within 1e-6, exactly one
 collective on a call that repeats options already seen (the first may add
-the one-time check that every rank passes the same, ``ppclip_func/_agree.py``).
+the one-time check that every rank passes the same, ``ppclip_func/_core/agreement.py``).
 And on one layout each: fp16's ``GradScaler`` unscaled before the clip, as
 Accelerate does (and where Accelerate's own clip raises); the adaptive
 threshold's state through ``accelerator.save_state`` / ``load_state``.

@@ -37,7 +37,7 @@ from ppclip_func import (
     init_adagc_state,
     param_norm_index,
 )
-from ppclip_func._adagc import AdaGCRule, adagc_update
+from ppclip_func._clip.adagc import AdaGCRule, adagc_update
 from tests._fake_pg import fake_world
 from tests.test_compile_fake_pg import CaptureBackend, assert_one_graph_one_collective
 

@@ -39,7 +39,7 @@ from ppclip_func import (
     select_update,
     skip_update_,
 )
-from ppclip_func._adaptive import Rule, adapt
+from ppclip_func._clip.adaptive import Rule, adapt
 from tests._fake_pg import fake_world
 from tests._reference import reference_norm
 from tests.test_compile_fake_pg import CaptureBackend, assert_one_graph_one_collective

@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from demo.harness import _free_port
-from ppclip_func import _agree, adaptive_clip_grad_norm, adaptive_clip_grad_norm_, init_clip_state
+from ppclip_func import adaptive_clip_grad_norm, adaptive_clip_grad_norm_, init_clip_state
+from ppclip_func._core import agreement as _agree
 from tests._cases import real_rank_test
 from tests._collectives import CollectiveCounter
 from tests._gather import gather_objects

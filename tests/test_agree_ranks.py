@@ -27,7 +27,6 @@ from torch.distributed.tensor import DTensor, Replicate
 from ppclip_func import (
     ClipState,
     UnsupportedTorchError,
-    _agree,
     adagc_clip_grad_norm_,
     adaptive_clip_grad_norm,
     adaptive_clip_grad_norm_,
@@ -39,6 +38,7 @@ from ppclip_func import (
     init_clip_state,
     param_norm_index,
 )
+from ppclip_func._core import agreement as _agree
 from tests._cases import real_rank_test
 from tests._collectives import CollectiveCounter
 from tests._gather import gather_objects

@@ -1,7 +1,7 @@
 """The package's caches: one registry, dropped when the process group changes, and one reset.
 
 Spec: every cache the clip keeps across calls is registered in
-``ppclip_func._caches``; a clip over a mesh fills the per-group ones and a
+``ppclip_func._base.caches``; a clip over a mesh fills the per-group ones and a
 clip with ``groups`` the per-process ones; a new default process group drops
 the per-group caches at the next clip; ``reset()`` empties them all, and the
 next clip is as right as the first.
@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from ppclip_func import _caches, _layout, clip_grad_norm_
+from ppclip_func import clip_grad_norm_
+from ppclip_func._base import caches as _caches
+from ppclip_func._core import layout as _layout
 from tests._fake_pg import fake_world
 
 

@@ -12,7 +12,7 @@ collective, the options check having gathered once before.
 
 No GPU is lent to CI, so this runs the accelerator's branches on the CPU:
 ``"cpu"`` is made a device whose foreach norm sums in blocks and whose
-values the host cannot read for free (``_devices.HOST_MEMORY`` without it),
+values the host cannot read for free (``_base.devices.HOST_MEMORY`` without it),
 as on CUDA. The group is a real one-rank gloo group (the collective and the
 state's fingerprint move through it). ``tests/test_cuda_graphs.py`` captures
 the same steps on a GPU.
@@ -30,9 +30,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import ppclip_func._devices as devices
-import ppclip_func._local as local
-import ppclip_func._scale as scale
+import ppclip_func._base.devices as devices
+import ppclip_func._core.scale as scale
+import ppclip_func._core.statistics as local
 from ppclip_func import (
     AdaGCStateful,
     ClipRecorder,

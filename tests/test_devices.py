@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from ppclip_func._reduce import collective_device, mesh_device
+from ppclip_func._core.collective import collective_device, mesh_device
 from tests._fake_pg import fake_world
 
 

@@ -4,7 +4,7 @@ Inductor fuses the clip's multiply into the optimizer's kernels, which read
 each gradient more than once (AdamW: both moments). A coefficient or a skip
 decision left as inline arithmetic is then recomputed, on CPU, for every
 vector of every leaf, once per read: before the clip's results were made
-buffers of their own (``_scale.own_buffer``), a 4-layer GPT-2 step with
+buffers of their own (``_core.scale.own_buffer``), a 4-layer GPT-2 step with
 AdamW took 1.3x the step with torch's clip. The decode of the norm takes a
 square root; counted in the generated C++, the clip must add a fixed number
 of them to the step's own, however many leaves there are, and the compiled

@@ -4,7 +4,7 @@ Spec: an unknown key, a key the integration sets itself, a value of the
 wrong type or range, an unknown rule: each raises at setup (the call that
 patches, the class that declares the options), naming where it was given and
 the option, and leaves nothing patched. The check is
-``ppclip_func._options.check_options``, whose option names come from the
+``ppclip_func._trainers.options.check_options``, whose option names come from the
 public form's own signature: a test below holds it to that.
 (Lightning's mixins: tests/test_lightning_packages.py; transformers:
 tests/test_transformers.py.)
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ppclip_func import adaptive_clip_grad_norm_, clip_grad_norm_
-from ppclip_func._options import check_options
+from ppclip_func._trainers.options import check_options
 
 # (options, error, a part of the message), for the adaptive form.
 BAD_ADAPTIVE = [

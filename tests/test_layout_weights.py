@@ -24,7 +24,7 @@ from hypothesis import given, settings
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ppclip_func._layout import replica_count, world_from_table
+from ppclip_func._core.layout import replica_count, world_from_table
 
 
 def _coords(shape):

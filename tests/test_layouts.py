@@ -35,8 +35,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from demo.model import ModelConfig, Transformer, build_model, random_batch, split_stage
 from demo.parallel import Pipeline, apply_ddp, apply_ep, apply_fsdp, apply_tp
 from ppclip_func import clip_grad_norm, clip_grad_norm_, global_grad_norm
-from tests._collectives import CollectiveCounter, norm_bits, steady_count
 from tests._cases import case_failures, join_run
+from tests._collectives import CollectiveCounter, norm_bits, steady_count
 from tests._gather import cast_grads, full_grads, gather_objects, model_gradient
 from tests._reference import assert_close_rel, reference_coefficient, reference_norm
 
@@ -202,7 +202,7 @@ class _PerStep:
     """The collectives a call issues in the steady state.
 
     The first call with a set of static options on a world group also checks, once, that every rank
-    passes the same (``ppclip_func/_agree.py``: one extra all-gather, never again for those options).
+    passes the same (``ppclip_func/_core/agreement.py``: one extra all-gather, never again for those options).
     A call whose ``options`` (a key naming the function and its static options) this ``check_clip``
     has not used yet may have been the first sight: at most that one gather is not counted
     (``steady_count``). A call repeating options used already counts every collective it issued.
@@ -513,6 +513,7 @@ def partial_grads(rank: int, world_size: int) -> None:
 # ---------------------------------------------------------------------------------------------
 # pytest: one run per world size, one test per layout
 # ---------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize(
     "case",

@@ -28,9 +28,9 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import ppclip_func._local as local
+import ppclip_func._core.statistics as local
 from ppclip_func import clip_grad_norm_, global_grad_norm
-from ppclip_func._local import BLOCK
+from ppclip_func._core.statistics import BLOCK
 from tests._collectives import OpCounter
 from tests._reference import assert_close_rel, reference_norm
 
@@ -223,7 +223,7 @@ def test_large_leaves_in_a_compiled_graph_use_every_thread():
     """In a compiled graph the eager code runs as one op (``ppclip_func::cpu_statistic``) beside
     inductor's kernels, which use every torch thread, torch's own compiled norm among them: there the
     row norms of large leaves use them too."""
-    from ppclip_func._norms import NormKind
+    from ppclip_func._core.norms import NormKind
 
     torch.set_num_threads(2)
     leaves = [_rand(n, dtype=torch.float32, seed=n) for n in (40_000, 1 << 20)]

@@ -113,9 +113,9 @@ def test_mixed_fp32_and_fp64_trees_scale_each_leaf_like_torch():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_where_the_multiply_is_fast_only_in_the_grads_dtype_bf16_takes_the_rounded_factor(monkeypatch, dtype):
-    # CUDA's _foreach_mul_ has no fast kernel for bf16 tensors times a float32 factor (ppclip_func._scale):
+    # CUDA's _foreach_mul_ has no fast kernel for bf16 tensors times a float32 factor (ppclip_func._core.scale):
     # there, eagerly, the factor is rounded to the grads' dtype, as torch's clip does. Run here on the CPU.
-    import ppclip_func._scale as scale_module
+    import ppclip_func._core.scale as scale_module
 
     torch.manual_seed(0)
     grads = [torch.randn(300, dtype=torch.float32).to(dtype) for _ in range(3)]

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ppclip_func import clip_grad_norm, global_grad_norm
-from ppclip_func._layout import count_copies, pipeline_stages, resolve_world
+from ppclip_func._core.layout import count_copies, pipeline_stages, resolve_world
 from tests._fake_pg import fake_world
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "tp")

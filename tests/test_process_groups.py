@@ -72,7 +72,7 @@ def test_a_sub_mesh_flattened_up_front_is_reduced_over_by_that_group():
 def test_host_work_per_call_does_not_grow_with_the_world():
     # The layout of each leaf is worked out once per world; a later call only
     # looks it up. Counted in calls to the per-layout analysis, not in time.
-    from ppclip_func import _layout
+    from ppclip_func._core import layout as _layout
 
     calls = []
     real = _layout.replica_count

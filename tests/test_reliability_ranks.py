@@ -16,7 +16,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from ppclip_func import _agree, _measure, clip_grad_norm, clip_grad_norm_, global_grad_norm
+from ppclip_func import clip_grad_norm, clip_grad_norm_, global_grad_norm
+from ppclip_func._core import agreement as _agree
+from ppclip_func._core import measure as _measure
 from tests._cases import real_rank_test
 from tests._collectives import norm_bits
 from tests._gather import gather_objects

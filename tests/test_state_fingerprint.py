@@ -1,4 +1,4 @@
-"""The adaptive state's fingerprint (``_agree``): the Adler-32 of the state's bytes, on the host or by tensor ops.
+"""The adaptive state's fingerprint (``_core.agreement``): the Adler-32 of the state's bytes, on the host or by tensor ops.
 
 Every rank adds its state's fingerprint to the one all-reduce, and ranks
 agree only if every rank's digits are equal, so the digits must be a
@@ -18,9 +18,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ppclip_func import _agree, init_clip_state
-from ppclip_func._agree import host_entries, host_fingerprint, state_entries, state_fingerprint
-from ppclip_func._norms import norm_kind
+from ppclip_func import init_clip_state
+from ppclip_func._core import agreement as _agree
+from ppclip_func._core.agreement import host_entries, host_fingerprint, state_entries, state_fingerprint
+from ppclip_func._core.norms import norm_kind
 
 ADLER = 65521
 CPU = torch.device("cpu")

@@ -27,7 +27,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import ppclip_func
-from ppclip_func import UnsupportedTorchError, UntestedTorchWarning, _torch, clip_grad_norm
+from ppclip_func import UnsupportedTorchError, UntestedTorchWarning, clip_grad_norm
+from ppclip_func._base import torch_compat as _torch
 from tests._fake_pg import fake_world
 
 REPO = pathlib.Path(__file__).resolve().parent.parent

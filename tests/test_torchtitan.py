@@ -24,7 +24,7 @@ and inf, each layout is checked three ways, one test each:
 
 Norms are within 1e-6 relative of float64 with exactly one collective (the
 first call with a set of options may add the one-time check that every rank
-passes the same, ``ppclip_func/_agree.py``; ``named_mesh`` and ``drop_in``
+passes the same, ``ppclip_func/_core/agreement.py``; ``named_mesh`` and ``drop_in``
 then repeat a call, as the next step would, and count exactly one);
 clipped gradients are the float64 reference scaled by the float64 clip
 coefficient, within 1e-6.
@@ -209,7 +209,7 @@ class Checks:
         """``counter`` saw ``expected`` collectives (any number if ``None``).
 
         ``first_sight``: the call may be the first with its options on this world group, which also
-        issues the one-time agreement gather (``ppclip_func/_agree.py``); at most that one is not counted.
+        issues the one-time agreement gather (``ppclip_func/_core/agreement.py``); at most that one is not counted.
         A call repeating options already seen must issue exactly ``expected``.
         """
         n = steady_count(counter) if first_sight else counter.count

@@ -22,9 +22,9 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-import ppclip_func._local as local
+import ppclip_func._core.statistics as local
 from ppclip_func import clip_grad_norm_, global_grad_norm
-from ppclip_func._norms import norm_kind
+from ppclip_func._core.norms import norm_kind
 from tests._collectives import OpCounter
 from tests._fake_pg import fake_world
 from tests._reference import assert_close_rel, reference_norm

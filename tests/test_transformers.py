@@ -20,7 +20,7 @@ gradients and records:
   within 1e-6, and its collectives: one all-reduce where the gradients are
   sharded, none where every rank holds them whole (DDP), from the first call
   on (the first call's one-time agreement gather is not counted:
-  ``ppclip_func/_agree.py``).
+  ``ppclip_func/_core/agreement.py``).
 
 And the ``grad_norm`` the Trainer logs at each step is ours, exactly. The
 adaptive threshold's state goes through the Trainer's own checkpoint and

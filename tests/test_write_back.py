@@ -45,7 +45,7 @@ from ppclip_func import (
     skip_update_,
     write_back_,
 )
-from ppclip_func._torch import _release
+from ppclip_func._base.torch_compat import _release
 from tests._fake_pg import one_rank_world
 
 STEPS = 12

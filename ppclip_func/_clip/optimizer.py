@@ -40,14 +40,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from ._adaptive import ClipState, ClipStats, Rule, check_adaptive_args
-from ._agree import rule_fields
-from ._norms import norm_kind
-from ._params import ParamIndex
-from ._path import adaptive_stats, run
-from ._paths import GroupSpec, TiedSpec
-from ._scale import clip_coefficient, finite_mask, scale
-from ._setup import Checked, GroupNorms, NormOptions, PpDim, check_clip_args
+from .._core.agreement import rule_fields
+from .._core.annotations import GroupSpec, TiedSpec
+from .._core.norms import norm_kind
+from .._core.param_norms import ParamIndex
+from .._core.scale import clip_coefficient, finite_mask, scale
+from .._core.setup import Checked, GroupNorms, NormOptions, PpDim, check_clip_args
+from .adaptive import ClipState, ClipStats, Rule, check_adaptive_args
+from .path import adaptive_stats, run
 
 __all__: list[str] = []
 
@@ -102,8 +102,8 @@ def hand_over(
     Args:
         optimizers: Torch optimizers (:func:`optimizers_of`).
         coefficient: The 0-dim clip coefficient (at most 1) computed in a
-            given dtype (:func:`~ppclip_func._scale.clip_coefficient` with
-            its first arguments bound), as :func:`~ppclip_func._scale.scale`
+            given dtype (:func:`~ppclip_func._core.scale.clip_coefficient` with
+            its first arguments bound), as :func:`~ppclip_func._core.scale.scale`
             takes it.
         skip: A 0-dim bool tensor, or ``None`` for never.
     """
@@ -133,7 +133,7 @@ def _hand_to_fused(opt: Optimizer, coef: torch.Tensor, skip: torch.Tensor | None
     grad_scale, found_inf = buffers
     # The kernel divides by grad_scale in float32; 1 / coef is exact where coef is a power of two
     # and otherwise within one rounding of multiplying by coef. Plain in-place ops: this function is
-    # never traced (torch.compiler.disable), so inductor never orders them (_write.py).
+    # never traced (torch.compiler.disable), so inductor never orders them (ppclip_func/_clip/write_back.py).
     torch.reciprocal(coef.to(torch.float32), out=grad_scale)
     if skip is None:
         found_inf.zero_()

@@ -41,16 +41,16 @@ from typing import Any, NamedTuple, TypeVar, cast
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._agree import label_set, rule_fields
-from ._devices import constant, scalar
-from ._exclude import check_exclude, included_params, without_excluded
-from ._measure import Measured
-from ._norms import norm_kind
-from ._params import ParamIndex, leaf_slots
-from ._path import output, run
-from ._paths import GroupSpec, TiedSpec
-from ._scale import _by_device_and_dtype, factor_for, finite_mask, multiply_group, own_buffer
-from ._setup import Checked, NormOptions, PpDim, check_clip_args
+from .._base.devices import constant, scalar
+from .._core.agreement import label_set, rule_fields
+from .._core.annotations import GroupSpec, TiedSpec
+from .._core.excluded import check_exclude, included_params, without_excluded
+from .._core.measure import Measured
+from .._core.norms import norm_kind
+from .._core.param_norms import ParamIndex, leaf_slots
+from .._core.scale import _by_device_and_dtype, factor_for, finite_mask, multiply_group, own_buffer
+from .._core.setup import Checked, NormOptions, PpDim, check_clip_args
+from .path import output, run
 
 __all__ = ["AdaGCState", "AdaGCStats", "adagc_clip_grad_norm", "adagc_clip_grad_norm_", "init_adagc_state"]
 
@@ -200,7 +200,7 @@ def scale_per_leaf(
         if len(idx) != len(shards):
             c = c[constant(idx, torch.int64, device)]
         # Traced, the whole rule (norms, gamma, divisions) would otherwise be inlined into every element's
-        # multiply (see _scale.own_buffer).
+        # multiply (see _core.scale.own_buffer).
         c = factor_for(own_buffer(c), device, dtype)
         multiply_group(shards, out, group, idx, list(c.unbind()), keep, inplace=inplace)
     return out
@@ -232,7 +232,8 @@ def _step(
     leaves = measured.leaves
     per_param = cast(torch.Tensor, measured.per_param)  # measured with params=index: never None
     coef, skip, new_state = adagc_update(measured.total, per_param, state, rule)
-    if measured.agree is not None:  # states that differ: no gradient scaled, the step skipped (_path.adaptive_stats)
+    # States that differ: no gradient scaled, the step skipped (_clip.path.adaptive_stats).
+    if measured.agree is not None:
         coef = torch.where(measured.agree, coef, 1.0)
         skip = torch.where(measured.agree, skip, True)
     params_in = included_params(index.names, groups, labels, excluded)

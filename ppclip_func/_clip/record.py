@@ -45,10 +45,10 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ._adaptive import ClipStats
-from ._ops import implements
-from ._params import ParamIndex
-from ._write import copy_into_
+from .._base.ops import implements
+from .._core.param_norms import ParamIndex
+from .adaptive import ClipStats
+from .write_back import copy_into_
 
 __all__ = ["ClipRecorder", "ParamNormStats", "StepRecord"]
 
@@ -440,7 +440,7 @@ def _record(
 
 
 # _record as one op that declares what it writes: a compiled graph runs it after every kernel that reads
-# the counter or the statistics, whatever the step returns (_write.py).
+# the counter or the statistics, whatever the step returns (ppclip_func/_clip/write_back.py).
 _record_ = torch.ops.ppclip_func.record_.default
 
 

@@ -5,13 +5,13 @@ a reason its schema states:
 
 * ``cpu_statistic``: a CPU bucket's local statistic computed by the eager
   code (scratch buffer, packing, row norms) at step time, rather than a
-  reduction inductor generates and compiles for each leaf (``_local``). It
+  reduction inductor generates and compiles for each leaf (``_core.statistics``). It
   reads the gradients, writes nothing and returns a new 0-dim float64 tensor.
-* ``write_back_``: state written in place (``_write``). Its schema declares
+* ``write_back_``: state written in place (``_clip.write_back``). Its schema declares
   the mutation (``Tensor(a!)[] dst``), so functionalization and inductor run
   it after every kernel that reads the old values.
 * ``record_``: one step of :class:`~ppclip_func.ClipRecorder` written into
-  its ring at its device-side counter (``_record``), mutations declared alike.
+  its ring at its device-side counter (``_clip.record``), mutations declared alike.
 
 They are defined with torch.library's schema API (one ``Library`` fragment,
 ``define`` and ``register_fake`` here), which costs a fraction of

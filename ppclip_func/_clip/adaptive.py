@@ -53,8 +53,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
-from ._devices import scalar
-from ._scale import own_buffer
+from .._base.devices import scalar
+from .._core.scale import own_buffer
 
 __all__: list[str] = []
 
@@ -307,7 +307,7 @@ def skip_update_(skip: torch.Tensor, tensors: Iterable[torch.Tensor] | Any, upda
     if torch.compiler.is_compiling():
         # One _foreach_copy_, which inductor fuses with the select and the update: each tensor's new value
         # is computed from its own saved copy and the update, both read before it is stored. Not the
-        # write-back op (_write.py): the update has already written these tensors, so inductor would
+        # write-back op (ppclip_func/_clip/write_back.py): the update has already written these tensors, so inductor would
         # copy them out and back around the op (bench/write_back_study.py). tests/test_write_back.py
         # checks the compiled step, returning nothing, against eager on every release tested. Not a
         # copy_ per tensor: with torch 2.11 to 2.13 a second Tensor.copy_ into an input can be dropped.

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ._caches import per_process
+from .caches import per_process
 
 __all__: list[str] = []
 

@@ -5,11 +5,11 @@ Each public form takes the same layout options (``pp_dim``, ``pp_mesh``,
 index where it has one) and the same clip options (``max_norm``, ``eps``,
 ``nonfinite``). They become one :class:`NormOptions`, whose fields are
 static Python and hashable where they can be, so that every rank can check
-that its peers passed the same (:func:`static_options`, read by ``_agree``),
+that its peers passed the same (:func:`static_options`, read by ``_core.agreement``),
 and so that a compiled step is keyed on them. The checks here read the
 options alone, never a tensor value, and trace under ``torch.compile``
 (symbolic numbers included): what needs the mesh or the leaves is checked
-where those are known (``_measure``).
+where those are known (``_core.measure``).
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._agree import marked
-from ._layout import mesh_shape
-from ._norms import NormKind
-from ._params import ParamIndex
-from ._paths import GroupSpec, TiedSpec, check_groups, check_tied
-from ._scale import NONFINITE_POLICIES
+from .agreement import marked
+from .annotations import GroupSpec, TiedSpec, check_groups, check_tied
+from .layout import mesh_shape
+from .norms import NormKind
+from .param_norms import ParamIndex
+from .scale import NONFINITE_POLICIES
 
 __all__: list[str] = []
 
@@ -48,8 +48,8 @@ class NormOptions:
     params: ParamIndex | None = None
     pp_mesh: DeviceMesh | None = None
     # The caller's other static options, ``(name, value)``, that every rank must pass alike
-    # (thresholds, ``exclude``, the adaptive rule's static fields): checked with these (``_agree``). A
-    # repeated call compares them as given; hashed or compared on a miss, each is ``_agree.marked``.
+    # (thresholds, ``exclude``, the adaptive rule's static fields): checked with these (``_core.agreement``). A
+    # repeated call compares them as given; hashed or compared on a miss, each is ``_core.agreement.marked``.
     also_agree: tuple[tuple[str, Any], ...] = ()
 
 
@@ -107,7 +107,7 @@ def check_norm_options(opts: NormOptions) -> list[str]:
 
 
 def static_options(p: Any, opts: NormOptions, state: Any) -> dict[str, Any]:
-    """What every rank must pass alike, by option (checked once per configuration by ``_agree``).
+    """What every rank must pass alike, by option (checked once per configuration by ``_core.agreement``).
 
     ``tied`` is checked apart: each stage declares the tied leaves it holds.
     """
@@ -137,6 +137,6 @@ def n_entries(opts: NormOptions) -> int:
 
 
 def norm_p(norm_type: Any) -> Any:
-    """``norm_type`` as :func:`~ppclip_func._norms.norm_kind` reads it (a float), or as given when it is not a number."""
+    """``norm_type`` as :func:`~ppclip_func._core.norms.norm_kind` reads it (a float), or as given when it is not a number."""
     is_number = isinstance(norm_type, (int, float)) and not isinstance(norm_type, bool)
     return float(norm_type) if is_number else norm_type

@@ -39,8 +39,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
-from . import _torch
-from ._caches import follow_process_group, per_group
+from .._base import torch_compat
+from .._base.caches import follow_process_group, per_group
 
 __all__: list[str] = []
 
@@ -74,7 +74,7 @@ class World:
     size: int = 0
 
 
-# Layout facts cached across calls (per process group: _caches).
+# Layout facts cached across calls (per process group: _base.caches).
 _WORLDS: dict[tuple, World] = per_group({})
 # Keyed by mesh value: sub-meshes of different stages compare equal (same root
 # rank map and layout) but hold different ranks; a process is one rank of one
@@ -166,7 +166,7 @@ def resolve_world(mesh: DeviceMesh | None, stages: Stages, leaf_meshes: Sequence
         return _make_world(mesh, stages, True)
     follow_process_group()
     if mesh is None and isinstance(stages, DeviceMesh):
-        mesh = _torch.root_mesh(stages)
+        mesh = torch_compat.root_mesh(stages)
     if mesh is None:
         if not leaf_meshes:
             return _NO_WORLD
@@ -204,7 +204,7 @@ def _make_world(mesh: DeviceMesh | None, stages: Stages, strict: bool) -> World:
     # mesh=None: the root of the pipeline mesh ``stages``. Found here, eagerly at trace time: dynamo in
     # torch 2.11 cannot trace DeviceMesh._get_root_mesh(), and in 2.13 cannot return a mesh from this kind of call.
     if mesh is None:
-        mesh = _torch.root_mesh(stages)
+        mesh = torch_compat.root_mesh(stages)
     if mesh.get_coordinate() is None:
         raise ValueError(f"this rank ({dist.get_rank()}) is not part of the mesh {mesh}")
     group = _group_name(mesh)
@@ -276,7 +276,7 @@ def stage_table(pp_mesh: DeviceMesh) -> dict[int, tuple[int, ...]]:
         UnsupportedTorchError: This torch's DeviceMesh keeps no layout of its root.
         ValueError: The copies of ``pp_mesh`` do not tile the root (a rank in two stages).
     """
-    copies = _torch.layout_copies(pp_mesh)
+    copies = torch_compat.layout_copies(pp_mesh)
     shape = tuple(pp_mesh.shape)
     stage_of: dict[int, tuple[int, ...]] = {}
     for copy in copies:
@@ -327,7 +327,7 @@ def _group_name(mesh: DeviceMesh) -> str | None:
     if mesh.size() == 1:
         return None
     ranks = sorted(_mesh_ranks(mesh))
-    for flat in _torch.flattened_meshes(_torch.root_mesh(mesh)):
+    for flat in torch_compat.flattened_meshes(torch_compat.root_mesh(mesh)):
         if sorted(_mesh_ranks(flat)) == ranks:
             return flat.get_group().group_name
     names = mesh.mesh_dim_names

@@ -57,11 +57,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _torch
-from ._caches import follow_process_group, per_group, per_process
-from ._devices import reads_on_host
-from ._layout import World, device_of
-from ._norms import NormKind
+from .._base import torch_compat
+from .._base.caches import follow_process_group, per_group, per_process
+from .._base.devices import reads_on_host
+from .layout import World, device_of
+from .norms import NormKind
 
 __all__: list[str] = []
 
@@ -199,7 +199,9 @@ def _check(
     row = [_hash(names), _hash(rank_stage.get(rank)), _hash(tied), tally, len(decl)]
     row += [_hash(v) for v in options] + [0] * (_MAX_OPTIONS - len(options))
     table = _all_gather_rows(group_name, row, device_type)
-    if problems := _problems(table, names, dist.get_process_group_ranks(_torch.resolve_group(group_name)), rank_stage):
+    if problems := _problems(
+        table, names, dist.get_process_group_ranks(torch_compat.resolve_group(group_name)), rank_stage
+    ):
         raise Disagreement(f"ranks disagree on {'; '.join(problems)}: {FIX}")
 
 
@@ -239,12 +241,12 @@ def _problems(
 
 def _all_gather_rows(group_name: str, row: list[int], device_type: str) -> list[list[int]]:
     """Every rank's ``row``, in group rank order, on the device the world mesh's backend uses."""
-    group = _torch.resolve_group(group_name)
+    group = torch_compat.resolve_group(group_name)
     size = dist.get_world_size(group)
     device = device_of(device_type)
     mine = torch.tensor(row, dtype=torch.int64, device=device)
     table = torch.empty(size * len(row), dtype=torch.int64, device=device)
-    _torch.all_gather_into(table, mine, group)
+    torch_compat.all_gather_into(table, mine, group)
     return table.view(size, -1).tolist()
 
 
@@ -394,7 +396,7 @@ def _moves_data(group_name: str) -> bool:
     follow_process_group()
     moves = _MOVES_DATA.get(group_name)
     if moves is None:  # resolving the group and its backend costs more than the rest: once per group
-        moves = _MOVES_DATA[group_name] = str(dist.get_backend(_torch.resolve_group(group_name))) != "fake"
+        moves = _MOVES_DATA[group_name] = str(dist.get_backend(torch_compat.resolve_group(group_name))) != "fake"
     return moves
 
 
@@ -495,7 +497,7 @@ def states_agree(
     values are the ranks' fingerprints combined; ``entries`` this rank's own
     (:func:`state_entries`, made from ``own`` where those were computed on
     the host, :func:`host_entries`). A NaN ``total`` lets the step pass: a
-    peer failed before its statistics (``_failure.release_peers``; its own error says
+    peer failed before its statistics (``_core.failure.release_peers``; its own error says
     why; a max/min all-reduce may drop its NaN entries, the norm's levels
     keep it) or a gradient is NaN, and the step is not taken. The stop:
     eagerly on the CPU a :class:`StateDisagreement` raised here, naming the
@@ -536,7 +538,7 @@ def _state_ranks(world: World, digits: list[int]) -> str:
     """Which ranks' state differs from the first rank's: one gather, made by every rank (all of them are here)."""
     assert world.group_name is not None and world.mesh is not None
     table = _all_gather_rows(world.group_name, digits, world.mesh.device_type)
-    ranks = dist.get_process_group_ranks(_torch.resolve_group(world.group_name))
+    ranks = dist.get_process_group_ranks(torch_compat.resolve_group(world.group_name))
     odd = [r for r, row in zip(ranks, table) if row != table[0]]
     return f"{_some(odd)} from rank {ranks[0]}"
 

@@ -50,7 +50,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
-from ._ops import implements
+from .._base.ops import implements
 
 __all__ = ["write_back_"]
 

@@ -18,10 +18,10 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ._adaptive import Rule, check_adaptive_args, init_clip_state
-from ._exclude import check_exclude
-from ._norms import norm_kind
-from ._setup import NormOptions, check_clip_args, check_norm_options
+from .._clip.adaptive import Rule, check_adaptive_args, init_clip_state
+from .._core.excluded import check_exclude
+from .._core.norms import norm_kind
+from .._core.setup import NormOptions, check_clip_args, check_norm_options
 
 __all__ = ["check_options"]
 
@@ -60,7 +60,7 @@ def check_options(
 
     Example:
         >>> from ppclip_func import adaptive_clip_grad_norm_
-        >>> from ppclip_func._options import check_options
+        >>> from ppclip_func._trainers.options import check_options
         >>> check_options(adaptive_clip_grad_norm_, {"z": 3.0}, where="example")
         {'z': 3.0}
         >>> check_options(adaptive_clip_grad_norm_, {"zscore_epss": 1.0}, where="example")

@@ -1,9 +1,9 @@
 """Measuring the global norm: from a gradient pytree to the one collective and back.
 
-Every public form goes through :func:`measure` (by way of ``_path.run``):
+Every public form goes through :func:`measure` (by way of ``_clip.path.run``):
 read the gradients, check them, weigh each leaf by its layout, reduce the
 weighted local statistics in one all-reduce, and decode the result. Any
-failure before the collective still joins it (``_failure``), so no peer
+failure before the collective still joins it (``_core.failure``), so no peer
 waits for a rank that raised.
 """
 
@@ -18,7 +18,8 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ._agree import (
+from .._base.devices import constant
+from .agreement import (
     Disagreement,
     carries_state,
     check_call,
@@ -26,16 +27,15 @@ from ._agree import (
     state_entries,
     states_agree,
 )
-from ._devices import constant
-from ._failure import release
-from ._layout import World, count_copies, pipeline_stages, resolve_world
-from ._local import STAT_DTYPE, leaf_statistics, local_statistics
-from ._norms import ABSENT, HAS_ELEMENT, HAS_LEAF, NormKind
-from ._params import leaf_slots
-from ._paths import group_indices, tied_stages
-from ._reduce import all_reduce_statistics, mesh_device, reduce_partial, world_of
-from ._setup import OPTION_FIELDS, GroupNorms, NormOptions, check_norm_options, static_options
-from ._tree import Leaves, flatten_grads
+from .annotations import group_indices, tied_stages
+from .collective import all_reduce_statistics, mesh_device, reduce_partial, world_of
+from .failure import release
+from .layout import World, count_copies, pipeline_stages, resolve_world
+from .norms import ABSENT, HAS_ELEMENT, HAS_LEAF, NormKind
+from .param_norms import leaf_slots
+from .setup import OPTION_FIELDS, GroupNorms, NormOptions, check_norm_options, static_options
+from .statistics import STAT_DTYPE, leaf_statistics, local_statistics
+from .tree import Leaves, flatten_grads
 
 __all__: list[str] = []
 
@@ -82,14 +82,14 @@ def measure(
     whether or not this rank's input is valid: a rank that fails before the
     collective, for any reason (a bad leaf on one pipeline stage only, a
     kernel that rejects its dtype), first joins the collective with poisoned
-    statistics (``_failure.release``), then raises. Its peers never wait
+    statistics (``_core.failure.release``), then raises. Its peers never wait
     for it; they get a NaN norm.
 
-    Every rank checks that all ranks pass the same options (``_agree``: a
+    Every rank checks that all ranks pass the same options (``_core.agreement``: a
     gather the first time a configuration is seen, nothing after): with a
     ``mesh``, first of all; with ``mesh=None``, once the leaves have named
     the world, and a rank that fails before that takes part in the check
-    from ``_failure.release``. An adaptive ``state`` (a
+    from ``_core.failure.release``. An adaptive ``state`` (a
     ``ClipState`` or ``AdaGCState``) rides in the one collective as a
     fingerprint; :attr:`Measured.agree` says whether every rank held the same.
     """

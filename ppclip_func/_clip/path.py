@@ -6,7 +6,7 @@ hand-over to the optimizer) and in where it writes (in place on ``p.grad``,
 or new tensors for a pure form). Everything else is :func:`run`: the
 gradients read out of the parameters (a generator consumed once), the
 form's own checks run so that a rank they fail on leaves no peer waiting
-(``_failure``), and :func:`~ppclip_func._measure.measure`, which weighs every
+(``_core.failure``), and :func:`~ppclip_func._core.measure.measure`, which weighs every
 leaf by its layout and issues the one collective. :func:`output` puts a
 pure form's new local shards back into the input's tree, DTensors with
 their layout; :func:`apply_clip` scales by one coefficient, as torch's clip.
@@ -24,12 +24,12 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
-from ._adaptive import ClipState, ClipStats, Rule, adapt
-from ._failure import checked
-from ._measure import Measured, measure
-from ._scale import clip_coefficient, finite_mask, scale
-from ._setup import Checked, NormOptions
-from ._tree import Leaves
+from .._core.failure import checked
+from .._core.measure import Measured, measure
+from .._core.scale import clip_coefficient, finite_mask, scale
+from .._core.setup import Checked, NormOptions
+from .._core.tree import Leaves
+from .adaptive import ClipState, ClipStats, Rule, adapt
 
 __all__: list[str] = []
 
@@ -95,7 +95,7 @@ def adaptive_stats(measured: Measured, state: ClipState, rule: Rule, with_groups
     total = measured.total
     threshold, zscore, skip, new_state = adapt(total, state, rule)
     if measured.agree is not None:
-        # Ranks whose states differ stop at the check (_agree); where that stop is asynchronous
+        # Ranks whose states differ stop at the check (_core.agreement); where that stop is asynchronous
         # (CUDA), nothing is scaled or stepped by a decision the ranks do not share.
         threshold = torch.where(measured.agree, threshold, math.inf)
         skip = torch.where(measured.agree, skip, True)

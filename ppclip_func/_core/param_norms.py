@@ -23,9 +23,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from . import _torch
-from ._layout import pipeline_stages, resolve_world
-from ._tree import flatten_grads
+from .._base import torch_compat
+from .layout import pipeline_stages, resolve_world
+from .tree import flatten_grads
 
 __all__: list[str] = []
 
@@ -122,7 +122,7 @@ def param_norm_index(
     if world.group_name is None:
         gathered = [mine]
     else:
-        group = _torch.resolve_group(world.group_name)
+        group = torch_compat.resolve_group(world.group_name)
         gathered = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, mine, group=group)
     slot: dict[str, int] = {}

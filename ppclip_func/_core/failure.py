@@ -11,7 +11,7 @@ failure before the collective goes through this module, and nowhere else:
   ``Disagreement`` on every rank if the ranks were given different
   options), then joins the statistics all-reduce with a poison, then raises;
 * :func:`release` is that join, for a rank that failed later, while reading
-  its leaves (``_measure``);
+  its leaves (``_core.measure``);
 * the poison makes every norm NaN on every rank (``NormKind.poison``), so
   the peers return a NaN norm and their own policy for it (``nonfinite``)
   decides what happens next, the same on every rank.
@@ -32,10 +32,10 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._agree import carries_state, check_options, state_poison
-from ._norms import NormKind, norm_kind
-from ._reduce import all_reduce_statistics, leaf_meshes, mesh_device, world_of
-from ._setup import NormOptions, n_entries, norm_p, static_options
+from .agreement import carries_state, check_options, state_poison
+from .collective import all_reduce_statistics, leaf_meshes, mesh_device, world_of
+from .norms import NormKind, norm_kind
+from .setup import NormOptions, n_entries, norm_p, static_options
 
 __all__: list[str] = []
 
@@ -118,9 +118,9 @@ def release_peers(
         pp_mesh: The caller's ``pp_mesh`` argument.
         n_groups: Number of groups, including the one for leaves in no group.
         with_state: The call carries an adaptive state's fingerprint
-            (``_agree``): its entries are joined with NaN, which lets them pass.
+            (``_core.agreement``): its entries are joined with NaN, which lets them pass.
         options: ``(options, tied)`` when this rank failed before its options
-            check (``_agree.check_options``): it takes part in that check
+            check (``_core.agreement.check_options``): it takes part in that check
             first, as its peers do (and raises its ``Disagreement`` if any).
     """
     meshes = leaf_meshes(mesh, grads)

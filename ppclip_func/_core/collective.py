@@ -10,7 +10,7 @@ It is ``torch.distributed._functional_collectives.all_reduce`` over the
 process group that spans the world mesh:
 
 * in eager mode it launches the collective and returns an
-  ``AsyncCollectiveTensor``, which ``_measure`` waits for at once: nothing in
+  ``AsyncCollectiveTensor``, which ``_core.measure`` waits for at once: nothing in
   the clip can run before the result is needed, and every op on the wrapper
   would go through its Python ``__torch_dispatch__``;
 * under ``torch.compile`` it traces to one ``_c10d_functional.all_reduce`` and
@@ -33,8 +33,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.utils import _pytree as pytree
 
-from ._layout import World, device_of, pipeline_stages, resolve_world
-from ._norms import NormKind
+from .layout import World, device_of, pipeline_stages, resolve_world
+from .norms import NormKind
 
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import GroupName

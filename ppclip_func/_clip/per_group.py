@@ -22,14 +22,14 @@ from typing import Any, TypeVar
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._agree import agreed, label_set
-from ._exclude import check_exclude, group_members, included_total
-from ._measure import Measured
-from ._norms import NormKind, norm_kind
-from ._path import output, run
-from ._paths import GroupSpec, TiedSpec, check_groups
-from ._scale import clip_coefficient, finite_mask, scale
-from ._setup import Checked, GroupNorms, NormOptions, PpDim, check_clip_args
+from .._core.agreement import agreed, label_set
+from .._core.annotations import GroupSpec, TiedSpec, check_groups
+from .._core.excluded import check_exclude, group_members, included_total
+from .._core.measure import Measured
+from .._core.norms import NormKind, norm_kind
+from .._core.scale import clip_coefficient, finite_mask, scale
+from .._core.setup import Checked, GroupNorms, NormOptions, PpDim, check_clip_args
+from .path import output, run
 
 __all__ = ["clip_grad_norm_by_group", "clip_grad_norm_by_group_"]
 

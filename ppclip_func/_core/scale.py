@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import _torch
+from .._base import torch_compat
 
 __all__: list[str] = []
 
@@ -214,7 +214,7 @@ def _by_device_and_dtype(
         if len({t.dtype for t in tensors}) == 1:
             # The common case. Callers pass the leaves of one rank, on one device (flatten_grads checks).
             return {(tensors[0].device, tensors[0].dtype): (tensors, list(range(len(tensors))))}
-        grouped = _torch.group_natively(tensors)
+        grouped = torch_compat.group_natively(tensors)
         if grouped is not None:
             return grouped
     buckets: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]] = defaultdict(

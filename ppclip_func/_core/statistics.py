@@ -71,10 +71,10 @@ from collections.abc import Iterator
 
 import torch
 
-from ._caches import per_process
-from ._devices import constant
-from ._norms import ABSENT, HAS_ELEMENT, HAS_LEAF, NormKind
-from ._ops import implements
+from .._base.caches import per_process
+from .._base.devices import constant
+from .._base.ops import implements
+from .norms import ABSENT, HAS_ELEMENT, HAS_LEAF, NormKind
 
 __all__: list[str] = []
 
@@ -283,7 +283,7 @@ def _compiled_cpu_statistic(tensors: list[torch.Tensor], kind: NormKind, overflo
 def _eager_cpu_statistic(tensors: list[torch.Tensor], p: float, op: str, overflow_safe: bool) -> torch.Tensor:
     """The eager CPU path as one op in a compiled graph: :func:`bucket_statistic` of CPU ``tensors``.
 
-    Traced, a CPU bucket is this one opaque op (``_ops``), run at step time by
+    Traced, a CPU bucket is this one opaque op (``_base.ops``), run at step time by
     the code the eager clip runs (scratch buffer, packing, row norms), rather
     than a reduction that inductor generates and compiles for each leaf,
     whose compile time grows with the leaf count for no gain in speed or

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from ._caches import per_process
+from .._base.caches import per_process
 
 __all__: list[str] = []
 

@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
-from ._caches import per_process
-from ._devices import constant
-from ._measure import Measured
-from ._norms import NormKind
-from ._paths import GroupSpec, check_groups, group_indices
-from ._tree import Leaves
+from .._base.caches import per_process
+from .._base.devices import constant
+from .annotations import GroupSpec, check_groups, group_indices
+from .measure import Measured
+from .norms import NormKind
+from .tree import Leaves
 
 __all__: list[str] = []
 

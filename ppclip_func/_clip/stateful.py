@@ -32,10 +32,10 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ._adagc import AdaGCState, init_adagc_state
-from ._adaptive import ClipState, init_clip_state
-from ._params import ParamIndex
-from ._write import copy_into_
+from .._core.param_norms import ParamIndex
+from .adagc import AdaGCState, init_adagc_state
+from .adaptive import ClipState, init_clip_state
+from .write_back import copy_into_
 
 __all__ = ["AdaGCStateful", "ClipStateful"]
 

@@ -9,16 +9,16 @@ from typing import Any, TypeVar, overload
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._adaptive import ClipState, ClipStats, Rule, check_adaptive_args
-from ._agree import label_set, rule_fields
-from ._exclude import check_exclude, without_excluded
-from ._measure import Measured
-from ._norms import norm_kind
-from ._params import ParamIndex
-from ._path import adaptive_stats, apply_clip, output, rewrapped, run
-from ._paths import GroupSpec, TiedSpec
-from ._setup import Checked, GroupNorms, NormOptions, PpDim, check_clip_args
-from ._tree import flatten_grads
+from .._core.agreement import label_set, rule_fields
+from .._core.annotations import GroupSpec, TiedSpec
+from .._core.excluded import check_exclude, without_excluded
+from .._core.measure import Measured
+from .._core.norms import norm_kind
+from .._core.param_norms import ParamIndex
+from .._core.setup import Checked, GroupNorms, NormOptions, PpDim, check_clip_args
+from .._core.tree import flatten_grads
+from .adaptive import ClipState, ClipStats, Rule, check_adaptive_args
+from .path import adaptive_stats, apply_clip, output, rewrapped, run
 
 __all__ = [
     "adaptive_clip_grad_norm",

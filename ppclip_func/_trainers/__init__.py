@@ -1,0 +1,1 @@
+"""What the trainer integrations share: their options, checked where they are given."""
