@@ -30,11 +30,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
 import types
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -74,8 +76,11 @@ GRAD_MESHES = {
 }
 
 
-def test_accelerate_version() -> None:
-    """These tests were written against Accelerate 1.15.0; another version runs them, saying so here."""
+def test_the_accelerate_these_tests_pin_is_the_one_the_trainers_extra_installs() -> None:
+    """The tests are written against ACCELERATE_VERSION: pyproject.toml installs it; another one is named as a skip."""
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    pins = re.findall(r'"accelerate([^"]*)"', pyproject)  # the trainers extra's one requirement
+    assert pins == [f"=={ACCELERATE_VERSION}"], pins
     if accelerate.__version__ != ACCELERATE_VERSION:
         pytest.skip(f"Accelerate {accelerate.__version__} is installed; these tests pin {ACCELERATE_VERSION}")
 

@@ -216,4 +216,4 @@ def saved_on_two_stages_resumed_on_four(rank: int, world_size: int) -> None:
 
 
 CASES = [every_stage_follows_the_reference_with_one_collective_per_step, saved_on_two_stages_resumed_on_four]
-test_on_real_ranks = real_rank_test(CASES, WORLD, case_timeout=60.0)
+test_on_real_ranks = real_rank_test(CASES, WORLD, case_timeout=60.0, share=True)

@@ -260,4 +260,4 @@ def saved_on_4_ranks_resumed_on_2(rank: int, world_size: int) -> None:
 
 
 CASES = [saved_and_resumed_on_4_ranks, saved_on_4_ranks_resumed_on_2]
-test_on_real_ranks = real_rank_test(CASES, 4, case_timeout=60.0)
+test_on_real_ranks = real_rank_test(CASES, 4, case_timeout=60.0, share=True)

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from demo.harness import run_ranks
 from ppclip_func import clip_grad_norm, clip_grad_norm_
+from tests._cases import real_rank_test
 from tests._collectives import CollectiveCounter, norm_bits, steady_count
 from tests._reference import assert_close_rel, reference_coefficient, reference_norm
 
@@ -41,59 +41,69 @@ def _stage_grads(stage: int, seed: int, dtype: torch.dtype, dp_mesh):
     return full, local
 
 
-def _worker(rank: int, world_size: int) -> int:
+def _clip_equals_the_reference(world_size: int, dtype: torch.dtype) -> None:
+    """Pure and in-place clips, every norm type, three seeds: the float64 reference, one collective, every rank alike."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     stage = mesh.get_coordinate()[0]
-    checked = 0
     for seed in range(3):
-        for dtype in (torch.float32, torch.bfloat16):
-            full, local = _stage_grads(stage, seed, dtype, mesh["dp"])
-            gathered: list = [None] * world_size
-            dist.all_gather_object(gathered, (stage, full))
-            model = {s: f for s, f in gathered}  # one entry per stage: dedupe dp replicas
-            all_full = [t for s in sorted(model) for t in model[s].values()]
-            for norm_type in NORM_TYPES:
-                expected = reference_norm(all_full, norm_type)
-                assert expected > 0, (norm_type, expected)
-                max_norm = expected / 2  # the clip always scales: the check below is not vacuous
-                with CollectiveCounter() as counter:
-                    clipped, total = clip_grad_norm(local, mesh, max_norm, norm_type)
-                assert steady_count(counter) == 1, f"expected one collective, saw {counter.ops}"
+        full, local = _stage_grads(stage, seed, dtype, mesh["dp"])
+        gathered: list = [None] * world_size
+        dist.all_gather_object(gathered, (stage, full))
+        model = {s: f for s, f in gathered}  # one entry per stage: dedupe dp replicas
+        all_full = [t for s in sorted(model) for t in model[s].values()]
+        for norm_type in NORM_TYPES:
+            expected = reference_norm(all_full, norm_type)
+            assert expected > 0, (norm_type, expected)
+            max_norm = expected / 2  # the clip always scales: the check below is not vacuous
+            with CollectiveCounter() as counter:
+                clipped, total = clip_grad_norm(local, mesh, max_norm, norm_type)
+            assert steady_count(counter) == 1, f"expected one collective, saw {counter.ops}"
 
-                assert_close_rel(float(total), expected, 1e-6 if dtype == torch.float32 else 1e-5)
-                bits: list = [None] * world_size
-                dist.all_gather_object(bits, norm_bits(total))
-                assert len(set(bits)) == 1, f"norm differs across ranks: {bits}"
+            assert_close_rel(float(total), expected, 1e-6 if dtype == torch.float32 else 1e-5)
+            bits: list = [None] * world_size
+            dist.all_gather_object(bits, norm_bits(total))
+            assert len(set(bits)) == 1, f"norm differs across ranks: {bits}"
 
-                coef = reference_coefficient(expected, max_norm)
-                assert coef < 0.51, coef
-                for name, leaf in clipped.items():
-                    if leaf is None:
-                        continue
-                    got = leaf.full_tensor() if isinstance(leaf, DTensor) else leaf
-                    assert isinstance(leaf, DTensor) == isinstance(local[name], DTensor)
-                    if isinstance(leaf, DTensor):
-                        assert leaf.placements == local[name].placements and leaf.device_mesh == local[name].device_mesh
-                    want = full[name].to(torch.float64) * coef
-                    tol = torch.finfo(dtype).eps + 2e-6
-                    torch.testing.assert_close(got.to(torch.float64), want, rtol=tol, atol=1e-30)
+            coef = reference_coefficient(expected, max_norm)
+            assert coef < 0.51, coef
+            for name, leaf in clipped.items():
+                if leaf is None:
+                    continue
+                got = leaf.full_tensor() if isinstance(leaf, DTensor) else leaf
+                assert isinstance(leaf, DTensor) == isinstance(local[name], DTensor)
+                if isinstance(leaf, DTensor):
+                    assert leaf.placements == local[name].placements and leaf.device_mesh == local[name].device_mesh
+                want = full[name].to(torch.float64) * coef
+                tol = torch.finfo(dtype).eps + 2e-6
+                torch.testing.assert_close(got.to(torch.float64), want, rtol=tol, atol=1e-30)
 
-                # The in-place drop-in: same norm, same single collective, grads scaled in place.
-                params = {k: torch.nn.Parameter(torch.zeros_like(v)) for k, v in local.items() if v is not None}
-                for k, p in params.items():
-                    p.grad = local[k].clone()
-                with CollectiveCounter() as counter:
-                    total_ = clip_grad_norm_(params.values(), mesh, max_norm, norm_type)
-                assert steady_count(counter) == 1, counter.ops
-                assert norm_bits(total_) == norm_bits(total)
-                for k, p in params.items():
-                    a = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                    b = clipped[k].to_local() if isinstance(clipped[k], DTensor) else clipped[k]
-                    assert torch.equal(a, b), k
-                checked += 1
-    return checked
+            # The in-place drop-in: same norm, same single collective, grads scaled in place.
+            params = {k: torch.nn.Parameter(torch.zeros_like(v)) for k, v in local.items() if v is not None}
+            for k, p in params.items():
+                p.grad = local[k].clone()
+            with CollectiveCounter() as counter:
+                total_ = clip_grad_norm_(params.values(), mesh, max_norm, norm_type)
+            assert steady_count(counter) == 1, counter.ops
+            assert norm_bits(total_) == norm_bits(total)
+            for k, p in params.items():
+                a = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                b = clipped[k].to_local() if isinstance(clipped[k], DTensor) else clipped[k]
+                assert torch.equal(a, b), k
 
 
-def test_pp_by_dp_fsdp_style_dtensor_grads():
-    results = run_ranks(_worker, 4, timeout=180)
-    assert results == [3 * 2 * len(NORM_TYPES)] * 4
+def fp32_grads_sharded_over_dp_on_two_stages_clip_as_the_float64_reference(rank: int, world_size: int) -> None:
+    _clip_equals_the_reference(world_size, torch.float32)
+
+
+def bf16_grads_sharded_over_dp_on_two_stages_clip_as_the_float64_reference(rank: int, world_size: int) -> None:
+    _clip_equals_the_reference(world_size, torch.bfloat16)
+
+
+test_on_real_ranks = real_rank_test(
+    [
+        fp32_grads_sharded_over_dp_on_two_stages_clip_as_the_float64_reference,
+        bf16_grads_sharded_over_dp_on_two_stages_clip_as_the_float64_reference,
+    ],
+    4,
+    share=True,
+)

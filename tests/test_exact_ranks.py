@@ -140,4 +140,4 @@ CASES = [
     a_compiled_abort_stops_every_rank_too,
 ]
 
-test_on_real_ranks = real_rank_test(CASES, WORLD, case_timeout=120.0)
+test_on_real_ranks = real_rank_test(CASES, WORLD, case_timeout=120.0, share=True)

@@ -220,7 +220,7 @@ def every_stage_clips_by_group_with_one_collective(rank: int, world_size: int) -
             )
 
 
-test_on_real_ranks = real_rank_test([every_stage_clips_by_group_with_one_collective], 4)
+test_on_real_ranks = real_rank_test([every_stage_clips_by_group_with_one_collective], 4, share=True)
 
 
 # --- exclude= on the adaptive clips: out of the total, the statistics and the skip decision -----------

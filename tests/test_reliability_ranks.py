@@ -249,4 +249,4 @@ CASES = [
 ]
 
 
-test_on_real_ranks = real_rank_test(CASES, WORLD)
+test_on_real_ranks = real_rank_test(CASES, WORLD, share=True)

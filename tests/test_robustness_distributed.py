@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 
-from demo.harness import run_ranks
 from ppclip_func import clip_grad_norm, clip_grad_norm_
+from tests._cases import real_rank_test
 from tests._collectives import CollectiveCounter, norm_bits, steady_count
 from tests._reference import assert_close_rel
 
@@ -34,21 +34,23 @@ def _good_clip_still_works(mesh) -> None:
     assert float(total) == pytest.approx(math.sqrt(16.0)), float(total)  # 8 ones per stage, 2 stages
 
 
-def _worker(rank: int, world_size: int) -> list[str]:
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    stage = mesh.get_coordinate()[0]
-    done = []
+def _mesh():
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
 
-    # Bad input on every rank: the same error everywhere; each rank joins the one collective first.
+
+def bad_input_on_every_rank_raises_the_same_error_after_the_one_collective(rank: int, world_size: int) -> None:
+    mesh = _mesh()
     bad = {"w": distribute_tensor(torch.ones(4, 2), mesh["dp"], [Shard(0)]), "step": torch.ones(1, dtype=torch.int32)}
     with CollectiveCounter() as counter, pytest.raises(TypeError, match=r"leaf \['step'\] has dtype torch.int32"):
         clip_grad_norm(bad, mesh, 1.0)
     assert steady_count(counter) == 1
     _good_clip_still_works(mesh)
-    done.append("bad input")
 
-    # Bad input on one pipeline stage only (a Partial grad there): that stage raises,
-    # the other gets a non-finite norm instead of waiting in the all-reduce.
+
+def bad_input_on_one_stage_raises_there_and_gives_the_other_a_nonfinite_norm(rank: int, world_size: int) -> None:
+    mesh = _mesh()
+    stage = mesh.get_coordinate()[0]
+    # A Partial grad on stage 1 only: that stage raises, the other gets a non-finite norm instead of waiting.
     for norm_type in (2.0, math.inf, -math.inf):
         if stage == 1:
             leaf = DTensor.from_local(torch.ones(4), mesh["dp"], [Partial("sum")], run_check=False)
@@ -58,9 +60,11 @@ def _worker(rank: int, world_size: int) -> list[str]:
             _, total = clip_grad_norm({"w": torch.ones(4)}, mesh, 1.0, norm_type)
             assert not math.isfinite(float(total)), float(total)
         _good_clip_still_works(mesh)
-    done.append("bad input on one stage")
 
-    # One rank's gradient overflows to inf: every rank sees the same non-finite norm.
+
+def an_inf_on_one_rank_is_zeroed_or_raised_alike_on_every_rank(rank: int, world_size: int) -> None:
+    mesh = _mesh()
+
     def grads_with_inf():
         g = torch.ones(4, 2)
         if rank == 2:
@@ -82,18 +86,25 @@ def _worker(rank: int, world_size: int) -> list[str]:
         with pytest.raises(RuntimeError, match=rf"non-finite \(inf, norm_type={norm_type}\)"):
             clip_grad_norm(grads_with_inf(), mesh, 1.0, norm_type, nonfinite="error")
         _good_clip_still_works(mesh)
-    done.append("nonfinite")
 
-    # Overflow-safe across ranks: 1e20 everywhere, finite and identical.
+
+def overflow_safe_norm_of_1e20_grads_is_finite_and_identical_on_every_rank(rank: int, world_size: int) -> None:
+    mesh = _mesh()
+    stage = mesh.get_coordinate()[0]
     big = {"w": distribute_tensor(torch.full((4096, 2), 1e20 * (1 + stage)), mesh["dp"], [Shard(0)])}
     _, total = clip_grad_norm(big, mesh, 1.0, overflow_safe=True)
     expected = math.sqrt(8192 * (1e20**2) * (1 + 4))
     assert_close_rel(float(total), expected, 1e-6)
     assert _all_equal(norm_bits(total))
-    done.append("overflow")
-    return done
 
 
-def test_failures_are_collective_decisions():
-    results = run_ranks(_worker, 4, timeout=180)
-    assert results == [["bad input", "bad input on one stage", "nonfinite", "overflow"]] * 4
+test_on_real_ranks = real_rank_test(
+    [
+        bad_input_on_every_rank_raises_the_same_error_after_the_one_collective,
+        bad_input_on_one_stage_raises_there_and_gives_the_other_a_nonfinite_norm,
+        an_inf_on_one_rank_is_zeroed_or_raised_alike_on_every_rank,
+        overflow_safe_norm_of_1e20_grads_is_finite_and_identical_on_every_rank,
+    ],
+    4,
+    share=True,
+)
