@@ -1,11 +1,20 @@
-"""``--shuffle-seed N``: run the collected tests in a seeded random order, to show that none needs another first.
+"""What ``make test-quick`` leaves out, and ``--shuffle-seed N``.
 
-No plugin: the order is ``random.Random(N).shuffle`` of the collected items,
-printed in the header so that a failing order can be run again.
+``make test-quick`` (``pytest -m "not slow"``) runs every module of the
+package in about 3 minutes on 2 cores; ``make test`` runs everything. Besides
+the tests marked ``slow`` in their own files (whole commands: the demos, the
+bench runs; trainers on real ranks), :data:`QUICK_LEAVES_OUT` marks the
+variants of a test whose first variant already runs the same code quickly.
+
+``--shuffle-seed N`` runs the collected tests in a seeded random order, to
+show that none needs another first. No plugin: the order is
+``random.Random(N).shuffle`` of the collected items, printed in the header so
+that a failing order can be run again.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import random
 
 import pytest
@@ -23,6 +32,42 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_report_header(config: pytest.Config) -> str | None:
     seed = config.getoption("--shuffle-seed")
     return None if seed is None else f"tests shuffled with --shuffle-seed {seed}"
+
+
+# Node-id patterns (fnmatch) marked slow, by why the quick run can do without them.
+QUICK_LEAVES_OUT = (
+    # The 8- and 16-rank layouts: the 4-rank ones run the same path on real ranks.
+    "tests/test_layouts.py::test_layout[[]*-8ranks[]]",
+    # The same trace at 64 and 512 fake ranks: the 8-rank variant traces every layout.
+    "tests/test_compile_fake_pg.py::test_fullgraph_all_layouts_every_norm_type_one_all_reduce[[]64[]]",
+    "tests/test_compile_fake_pg.py::test_fullgraph_all_layouts_every_norm_type_one_all_reduce[[]512[]]",
+    "tests/test_compile_fake_pg.py::test_pp_mesh_on_the_1d_root_mesh_compiles_to_one_graph_one_all_reduce[[]512[]]",
+    "tests/test_compile_fake_pg.py::test_every_rank_of_the_world_mesh_traces_the_same_graph[[]512-*",
+    # Each compiled step written back, one form in the quick run.
+    "tests/test_write_back.py::test_a_compiled_step_returning_only_its_loss_keeps_the_eager_state[[]*",
+    "tests/test_write_back.py::test_the_same_step_with_a_hand_written_copy_is_wrong_where_torch_reorders[[]functional[]]",
+    "tests/test_inductor_code.py::test_the_clip_is_computed_once_not_in_every_leafs_update[[]nonfinite_zero[]]",
+    "tests/test_inductor_code.py::test_the_clip_is_computed_once_not_in_every_leafs_update[[]adaptive_skip[]]",
+    "tests/test_functional_train_step.py::test_the_script_runs",
+    "tests/test_functional_train_step.py::test_the_step_written_back_in_place_as_docs_cuda_graphs_captures_it",
+    "tests/test_compile_dynamic.py::test_functional_zclip_step_with_a_changing_batch",
+    "tests/test_record.py::test_a_compiled_step_records_what_the_eager_step_records",
+    # Inductor's code per dtype and norm: float32 and p=2 in the quick run.
+    "tests/test_traced_statistics.py::*[[]torch.bfloat16-*",
+    "tests/test_traced_statistics.py::*[[]*-1.0[]]",
+    # Two torch threads: the quick run takes one.
+    "tests/test_local_statistics.py::*[[]2thread*",
+)
+# The one variant of a pattern above that the quick run keeps.
+QUICK_KEEPS = ("tests/test_write_back.py::test_a_compiled_step_returning_only_its_loss_keeps_the_eager_state[[]zclip-fullgraph[]]",)
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    node = item.nodeid
+    if any(fnmatch.fnmatchcase(node, p) for p in QUICK_LEAVES_OUT) and not any(
+        fnmatch.fnmatchcase(node, p) for p in QUICK_KEEPS
+    ):
+        item.add_marker(pytest.mark.slow)
 
 
 @pytest.hookimpl(trylast=True)

@@ -24,7 +24,11 @@ from tests._processes import python, run_bounded
 TIMEOUT_S = 420
 STUDIES = ("bandwidth", "leaves", "distributed", "ranks", "features", "optimizer")
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="tests/_processes.py reads /proc")
+# Slow (each runs a whole command): left out of `make test-quick`.
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(sys.platform != "linux", reason="tests/_processes.py reads /proc"),
+]
 
 
 @pytest.fixture(scope="module")
