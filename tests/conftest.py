@@ -59,7 +59,9 @@ QUICK_LEAVES_OUT = (
     "tests/test_local_statistics.py::*[[]2thread*",
 )
 # The one variant of a pattern above that the quick run keeps.
-QUICK_KEEPS = ("tests/test_write_back.py::test_a_compiled_step_returning_only_its_loss_keeps_the_eager_state[[]zclip-fullgraph[]]",)
+QUICK_KEEPS = (
+    "tests/test_write_back.py::test_a_compiled_step_returning_only_its_loss_keeps_the_eager_state[[]zclip-fullgraph[]]",
+)
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
