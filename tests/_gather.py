@@ -7,13 +7,18 @@ parameter held by several ranks (data-parallel replicas, TP replicas, tied
 weights on two stages) are kept once, by name. Copies must agree bit for bit:
 a layout whose replicas disagree has no single gradient to compare against.
 
+:func:`shared_dir` is a folder every rank writes a checkpoint to.
+
 Everything here issues collectives and must be called by every rank in the
 same order (the ranks of one stage hold the same names, in the same order).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -78,3 +83,17 @@ def gather_objects(obj: Any) -> list[Any]:
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, obj)
     return everyone
+
+
+@contextlib.contextmanager
+def shared_dir(prefix: str) -> Iterator[str]:
+    """A directory every rank of the default group writes to; rank 0 removes it when all are done."""
+    path = [tempfile.mkdtemp(prefix=prefix) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    try:
+        yield path[0]
+    finally:
+        with contextlib.suppress(Exception):
+            dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(path[0], ignore_errors=True)

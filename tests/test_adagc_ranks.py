@@ -18,14 +18,9 @@ loop run on the whole model's gradient, gathered (``tests/_gather.py``).
 
 from __future__ import annotations
 
-import contextlib
 import math
-import shutil
-import tempfile
-from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
@@ -33,7 +28,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ppclip_func import AdaGCStateful, adagc_clip_grad_norm_, init_adagc_state, param_norm_index
 from tests._cases import real_rank_test
 from tests._collectives import CollectiveCounter, steady_count
-from tests._gather import gather_objects, model_gradient
+from tests._gather import gather_objects, model_gradient, shared_dir
 from tests.test_adagc import reference_run
 
 WORLD = 4
@@ -181,21 +176,8 @@ def every_stage_follows_the_reference_with_one_collective_per_step(rank: int, wo
         assert torch.equal(full, _full(STEPS - 1, name).double()), name
 
 
-@contextlib.contextmanager
-def _shared_dir() -> Iterator[str]:
-    path = [tempfile.mkdtemp(prefix="ppclip-adagc-") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(path, src=0)
-    try:
-        yield path[0]
-    finally:
-        with contextlib.suppress(Exception):
-            dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(path[0], ignore_errors=True)
-
-
 def saved_on_two_stages_resumed_on_four(rank: int, world_size: int) -> None:
-    with _shared_dir() as folder:
+    with shared_dir("ppclip-adagc-") as folder:
         _, state, index, _ = _run(2, 0, STOP)
         clip = AdaGCStateful(index)
         clip.state = state

@@ -19,11 +19,7 @@ instead must differ, so the comparison can fail.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import shutil
-import tempfile
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -34,6 +30,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ppclip_func import ClipState, ClipStateful, adaptive_clip_grad_norm, init_clip_state
 from tests._cases import real_rank_test
+from tests._gather import shared_dir
 from tests._torchtitan import needs_torchtitan
 
 STEPS, STOP = 80, 40
@@ -198,20 +195,6 @@ def test_torchtitans_checkpoint_manager_saves_and_restores_the_state(tmp_path):
 # --- real ranks (one start of 4 for every case) ----------------------------------------------------
 
 
-@contextlib.contextmanager
-def _shared_dir() -> Iterator[str]:
-    """A directory every rank of the default group writes to; rank 0 removes it when all are done."""
-    path = [tempfile.mkdtemp(prefix="ppclip-checkpoint-") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(path, src=0)
-    try:
-        yield path[0]
-    finally:
-        with contextlib.suppress(Exception):
-            dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(path[0], ignore_errors=True)
-
-
 def _save_at_stop(folder: str, mesh: DeviceMesh) -> tuple[list[Record], list[Record], ClipState]:
     """On every rank of ``mesh``: the whole run, and the run to STOP with its state saved by dcp."""
     full, _ = _steps(init_clip_state(), 0, STEPS, mesh)
@@ -227,7 +210,7 @@ def _save_at_stop(folder: str, mesh: DeviceMesh) -> tuple[list[Record], list[Rec
 
 def saved_and_resumed_on_4_ranks(rank: int, world_size: int) -> None:
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
-    with _shared_dir() as folder:
+    with shared_dir("ppclip-checkpoint-") as folder:
         full, before, _ = _save_at_stop(folder, mesh)
         _assert_the_run_tests_something(full)
         metadata = dcp.FileSystemReader(folder).read_metadata()
@@ -242,7 +225,7 @@ def saved_and_resumed_on_4_ranks(rank: int, world_size: int) -> None:
 
 def saved_on_4_ranks_resumed_on_2(rank: int, world_size: int) -> None:
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
-    with _shared_dir() as folder:
+    with shared_dir("ppclip-checkpoint-") as folder:
         full, _, saved = _save_at_stop(folder, mesh)
         pair = dist.new_group([0, 1])  # every rank creates it; ranks 0 and 1 are the smaller job
         if rank < 2:

@@ -71,6 +71,16 @@ def _close(a: float, b: float) -> None:
     assert a == pytest.approx(b, rel=1.3e-6, abs=1e-5), (a, b)
 
 
+def _clipped_in_place(
+    grads: tuple[torch.Tensor, torch.Tensor], max_norm: float, norm_type: float
+) -> tuple[list, float]:
+    """Our in-place clip of a Linear holding ``grads``: its parameters, and the norm before, which the clip returned."""
+    params = _linear_with_grads(*grads)
+    before = _norm_of(params, norm_type)
+    _close(float(clip_grad_norm_(params, None, max_norm, norm_type)), before)
+    return params, before
+
+
 @pytest.mark.parametrize("foreach", FOREACH)
 @pytest.mark.parametrize("norm_type", [0.5, 1.5, 2.0, 4.0, INF])
 def test_clip_grad_norm(norm_type, foreach):
@@ -78,10 +88,7 @@ def test_clip_grad_norm(norm_type, foreach):
     big = (torch.arange(1.0, 101).view(10, 10), torch.ones(10) / 1000)
 
     # In place, like torch.nn.utils.clip_grad_norm_: the norm before, then max_norm after.
-    params = _linear_with_grads(*big)
-    before = _norm_of(params, norm_type)
-    norm = clip_grad_norm_(params, None, max_norm, norm_type)
-    _close(float(norm), before)
+    params, before = _clipped_in_place(big, max_norm, norm_type)
     _close(_norm_of(params, norm_type), max_norm)
     assert _norm_of(params, norm_type) <= before
     _assert_uniform_scale(params, list(big))
@@ -102,10 +109,7 @@ def test_clip_grad_norm(norm_type, foreach):
 
     # Small gradients are left unchanged.
     small = (torch.rand(10, 10, generator=torch.Generator().manual_seed(0)) / 10000, torch.ones(10) / 500)
-    params = _linear_with_grads(*small)
-    before = _norm_of(params, norm_type)
-    norm = clip_grad_norm_(params, None, max_norm, norm_type)
-    _close(float(norm), before)
+    params, before = _clipped_in_place(small, max_norm, norm_type)
     _close(_norm_of(params, norm_type), before)
     assert _norm_of(params, norm_type) <= max_norm
     assert _assert_uniform_scale(params, list(small)) == 1.0
