@@ -53,22 +53,15 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 
 from ._clip.adaptive import ClipStats
 from ._clip.forms import adaptive_clip_grad_norm_ as _adaptive_clip_grad_norm_
 from ._clip.forms import clip_grad_norm_ as _clip_grad_norm_
 from ._clip.stateful import ClipStateful
+from ._trainers.accelerator import accelerator_mesh
 from ._trainers.options import check_options
 
 __all__ = ["adaptive_clip_grad_norm_", "clip_grad_norm_", "patch_accelerator"]
-
-# Accelerate's DistributedType values (a str enum) whose gradients this clip does not reach, and why.
-_REFUSED = {
-    "DEEPSPEED": "DeepSpeed clips inside its engine (Accelerate's clip only returns the engine's norm)",
-    "MEGATRON_LM": "Megatron-LM clips inside its own optimizer",
-    "XLA": "on XLA, Accelerate's clip all-reduces the gradients itself before clipping",
-}
 
 
 def clip_grad_norm_(
@@ -131,7 +124,7 @@ def clip_grad_norm_(
         >>> model.weight.grad
         tensor([[0.6000, 0.8000]])
     """
-    mesh = _world_mesh(accelerator)
+    mesh = accelerator_mesh(accelerator)
     accelerator.unscale_gradients()
     return _clip_grad_norm_(parameters, mesh, max_norm, norm_type, eps=eps, nonfinite=nonfinite)
 
@@ -186,7 +179,7 @@ def adaptive_clip_grad_norm_(
     """
     if not isinstance(clip, ClipStateful):
         raise TypeError(f"clip must be a ppclip_func.ClipStateful, got {type(clip).__name__}")
-    mesh = _world_mesh(accelerator)
+    mesh = accelerator_mesh(accelerator)
     accelerator.unscale_gradients()
     stats = _adaptive_clip_grad_norm_(parameters, mesh, clip.state, norm_type, **options)
     clip.state = stats.state
@@ -229,7 +222,7 @@ def patch_accelerator(accelerator: Any, *, eps: float = 1e-6, nonfinite: str = "
     """
     # Refuse now, not in the middle of a run, and before anything is patched.
     check_options(_clip_grad_norm_, {"eps": eps, "nonfinite": nonfinite}, where="patch_accelerator")
-    _world_mesh(accelerator)
+    accelerator_mesh(accelerator)
 
     def patched(
         self: Any, parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float, norm_type: float = 2
@@ -239,16 +232,3 @@ def patch_accelerator(accelerator: Any, *, eps: float = 1e-6, nonfinite: str = "
 
     accelerator.clip_grad_norm_ = types.MethodType(patched, accelerator)
     return accelerator
-
-
-def _world_mesh(accelerator: Any) -> DeviceMesh | None:
-    """The mesh of every rank that Accelerate built (``None`` without one); refuses what this clip cannot reach."""
-    kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
-    if kind in _REFUSED:
-        raise ValueError(f"ppclip_func.accelerate does not clip under {kind}: {_REFUSED[kind]}; keep its own clip")
-    if kind == "FSDP" and not accelerator.is_fsdp2:
-        raise ValueError(
-            "ppclip_func.accelerate needs FSDP2 (FullyShardedDataParallelPlugin(fsdp_version=2)): FSDP1's flat "
-            "parameters are plain tensors whose sharding the clip cannot read; keep Accelerate's clip for FSDP1"
-        )
-    return accelerator.torch_device_mesh

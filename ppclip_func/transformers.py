@@ -69,8 +69,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from ._clip.adaptive import ClipStats
 from ._clip.forms import adaptive_clip_grad_norm_, clip_grad_norm_, global_grad_norm
 from ._clip.stateful import ClipStateful
+from ._trainers.accelerator import accelerator_mesh
 from ._trainers.options import check_options
-from .accelerate import _world_mesh as _accelerator_mesh
 
 __all__ = ["STATE_NAME", "PPClipMixin", "use_ppclip"]
 
@@ -111,7 +111,7 @@ def _checked(
 
 def _check_trainer(trainer: Any, config: _Config, where: str) -> None:
     """Refuses, now, a trainer whose clip this cannot replace (the message says why)."""
-    _accelerator_mesh(trainer.accelerator)  # DeepSpeed, Megatron-LM, XLA, FSDP1: a ValueError naming it
+    accelerator_mesh(trainer.accelerator)  # DeepSpeed, Megatron-LM, XLA, FSDP1: a ValueError naming it
     max_grad_norm = trainer.args.max_grad_norm
     if config.adaptive and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
         raise ValueError(
@@ -260,7 +260,7 @@ def _mesh(trainer: Any) -> DeviceMesh | None:
         mesh = getattr(model, "_device_mesh", None)
         if mesh is not None:
             return mesh
-    return _accelerator_mesh(trainer.accelerator)
+    return accelerator_mesh(trainer.accelerator)
 
 
 @functools.cache
