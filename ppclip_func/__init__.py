@@ -20,6 +20,7 @@ from ._clip.optimizer import adaptive_clip_grad_norm_in_optimizer, clip_grad_nor
 from ._clip.per_group import clip_grad_norm_by_group, clip_grad_norm_by_group_
 from ._clip.record import ClipRecorder, ParamNormStats, StepRecord
 from ._clip.stateful import AdaGCStateful, ClipStateful
+from ._clip.step import LocalLoss, StepStats, clip_grad_norm_with_loss, clip_grad_norm_with_loss_
 from ._clip.write_back import write_back_
 from ._core.param_norms import ParamIndex, param_norm_index
 
@@ -30,6 +31,11 @@ __all__ = [
     "clip_grad_norm",
     # In place on p.grad: the drop-in for torchtitan-style trainers.
     "clip_grad_norm_",
+    # The step's global mean loss and token count from the same collective, the token normalization folded in.
+    "clip_grad_norm_with_loss_",
+    "clip_grad_norm_with_loss",
+    "LocalLoss",
+    "StepStats",
     # A threshold per group; groups kept out of the total and never scaled (Muon's parameters).
     "clip_grad_norm_by_group_",
     "clip_grad_norm_by_group",

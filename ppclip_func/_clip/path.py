@@ -44,6 +44,7 @@ def run(
     *,
     in_place: bool,
     state: tuple[torch.Tensor, ...] | None = None,
+    sums: Callable[[], torch.Tensor] | None = None,
 ) -> tuple[Checked, Measured]:
     """Runs ``form``'s checks and measures its gradients with the one collective.
 
@@ -57,6 +58,8 @@ def run(
         validate: The form's own argument checks; returns what they found.
         in_place: Whether ``given`` holds parameters.
         state: An adaptive state, which rides in the collective.
+        sums: Makes the step's other statistics, summed in the collective
+            (:func:`~ppclip_func._core.measure.measure`).
 
     Returns:
         What ``validate`` found, and the measured norms.
@@ -67,7 +70,7 @@ def run(
     else:
         read, what = (lambda: given), "gradient"
     found = checked(validate, mesh, given, norm_type, opts, state)
-    return found, measure(read, given, what, mesh, found.kind, opts, state)
+    return found, measure(read, given, what, mesh, found.kind, opts, state, sums)
 
 
 def output(measured: Measured, new_locals: list[torch.Tensor]) -> Any:

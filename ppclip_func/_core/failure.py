@@ -80,6 +80,7 @@ def release(
         opts.pp_dim,
         opts.pp_mesh,
         n_entries(opts),
+        n_sums=opts.sums,
         with_state=state is not None,
         options=None if options is None else (options, opts.tied),
     )
@@ -92,6 +93,7 @@ def release_peers(
     pp_dim: Any,
     pp_mesh: Any,
     n_groups: int,
+    n_sums: int = 0,
     with_state: bool = False,
     options: tuple[Mapping[str, Any], Any] | None = None,
 ) -> None:
@@ -117,6 +119,8 @@ def release_peers(
         pp_dim: The caller's ``pp_dim`` argument.
         pp_mesh: The caller's ``pp_mesh`` argument.
         n_groups: Number of groups, including the one for leaves in no group.
+        n_sums: Number of the step's other summed statistics after the
+            norms' (``NormOptions.sums``): joined with NaN, as the norms.
         with_state: The call carries an adaptive state's fingerprint
             (``_core.agreement``): its entries are joined with NaN, which lets them pass.
         options: ``(options, tied)`` when this rank failed before its options
@@ -129,30 +133,39 @@ def release_peers(
     if kind is None:
         return  # a norm_type no rank could use: every rank fails alike, before any all-reduce
     if torch.compiler.is_compiling():
-        _join_at_trace_time(mesh, tuple(meshes), kind.p, pp_dim, pp_mesh, n_groups, with_state)
+        _join_at_trace_time(mesh, tuple(meshes), kind.p, pp_dim, pp_mesh, n_groups, n_sums, with_state)
     else:
-        _join(mesh, meshes, kind, pp_dim, pp_mesh, n_groups, with_state)
+        _join(mesh, meshes, kind, pp_dim, pp_mesh, n_groups, n_sums, with_state)
 
 
 @torch.compiler.assume_constant_result
 def _join_at_trace_time(
-    mesh: Any, leaf_meshes: Any, p: float, pp_dim: Any, pp_mesh: Any, n_groups: int, with_state: bool
+    mesh: Any, leaf_meshes: Any, p: float, pp_dim: Any, pp_mesh: Any, n_groups: int, n_sums: int, with_state: bool
 ) -> bool:
     # Dynamo calls this with the real arguments (plain values: it does not pass
     # a NormKind through intact) and runs it eagerly; tensors made while
     # tracing are fake, so the poison is made outside the fake mode.
     with torch._subclasses.fake_tensor.unset_fake_temporarily():
-        _join(mesh, list(leaf_meshes), norm_kind(p), pp_dim, pp_mesh, n_groups, with_state)
+        _join(mesh, list(leaf_meshes), norm_kind(p), pp_dim, pp_mesh, n_groups, n_sums, with_state)
     return True
 
 
 def _join(
-    mesh: Any, leaf_meshes: list, kind: NormKind, pp_dim: Any, pp_mesh: Any, n_groups: int, with_state: bool
+    mesh: Any,
+    leaf_meshes: list,
+    kind: NormKind,
+    pp_dim: Any,
+    pp_mesh: Any,
+    n_groups: int,
+    n_sums: int,
+    with_state: bool,
 ) -> None:
     world = world_of(mesh, leaf_meshes, pp_dim, pp_mesh)
     if world is None or world.group_name is None:
         return
     stats = kind.poison(n_groups, mesh_device(world.mesh))
+    if n_sums:
+        stats = torch.cat([stats, stats.new_full((n_sums,), torch.nan)])
     if with_state and carries_state(world):
         stats = torch.cat([stats, state_poison(stats.device)])
     funcol.wait_tensor(all_reduce_statistics(stats, kind, world))

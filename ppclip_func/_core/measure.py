@@ -49,6 +49,8 @@ class Measured:
     the parameters; then their levels; then, with an adaptive state, its
     fingerprint's entries), for a capability that combines entries of its
     own (a total over some groups).
+    ``sums`` is the all-reduced sum of every rank's ``sums`` vector (the
+    step's other statistics), where :func:`measure` was given one.
     ``agree`` (with an adaptive state, where the stop on a disagreement may
     come after the scaling: on CUDA, or compiled) is whether every rank held
     the same state; the caller makes its step a no-op where it is false.
@@ -61,6 +63,7 @@ class Measured:
     reduced: torch.Tensor
     agree: torch.Tensor | None
     entries: int
+    sums: torch.Tensor | None = None
 
     def norms(self, with_groups: bool) -> torch.Tensor | tuple[torch.Tensor, GroupNorms]:
         """Returns the public result: the total, and the groups' norms if asked for."""
@@ -75,8 +78,13 @@ def measure(
     kind: NormKind,
     opts: NormOptions,
     state: tuple[torch.Tensor, ...] | None = None,
+    sums: Callable[[], torch.Tensor] | None = None,
 ) -> Measured:
     """Reads and flattens the gradients and measures the total and each group's norm, with one collective.
+
+    ``sums``, with ``opts.sums`` entries and a sum-type norm, makes this
+    rank's other statistics (a float64 vector of ``opts.sums`` values, on
+    the statistics' device), summed over the ranks in the same collective.
 
     Exactly one statistics collective is issued, on every rank of the world,
     whether or not this rank's input is valid: a rank that fails before the
@@ -112,6 +120,7 @@ def measure(
         leaves = flatten_grads(read_grads(), what)
         # With mesh=None the leaves name the world: checked there, before partial="reduce"'s collectives.
         world, stats, labels = _local_part(leaves, mesh, kind, opts, agree if mesh is None else None, known)
+        extra = _sums(sums, opts.sums, kind, stats.device)
     except Disagreement:
         raise  # every rank raises it, before any other collective
     except Exception:
@@ -120,6 +129,8 @@ def measure(
         release(mesh, given, kind, opts, state, None if checked[0] else options())
         raise
     n, entries = len(labels) + 1, stats.numel() // 2
+    if extra is not None:
+        stats = torch.cat([stats, extra])  # between the norms' entries and the state's, read from the end
     with_state = state is not None and carries_state(world)
     if state is not None and with_state:
         # The state's fingerprint rides at the end of the vector; eagerly, from a CPU state, it is taken
@@ -138,7 +149,22 @@ def measure(
     # per_group (labels or params) means per_entry is not None.
     groups = {label: per_entry[i] for i, label in enumerate(labels)} if labels and per_entry is not None else {}
     per_param = per_entry[n:] if opts.params is not None and per_entry is not None else None
-    return Measured(leaves, total, groups, per_param, reduced, same_state, entries)
+    summed = reduced[2 * entries : 2 * entries + opts.sums] if extra is not None else None
+    return Measured(leaves, total, groups, per_param, reduced, same_state, entries, summed)
+
+
+def _sums(make: Callable[[], torch.Tensor] | None, n: int, kind: NormKind, device: torch.device) -> torch.Tensor | None:
+    """This rank's other statistics for the collective, checked: ``n`` float64 values, or ``None``."""
+    if make is None:
+        if n:
+            raise ValueError(f"the options say {n} other statistics ride the collective, and none were given")
+        return None
+    if kind.op != "sum":
+        raise ValueError(f"norm_type={kind.p} reduces with {kind.op}: other statistics need a sum-type norm")
+    values = make()
+    if values.shape != (n,) or values.dtype != STAT_DTYPE:
+        raise ValueError(f"other statistics must be {n} float64 values, got {values.dtype} {tuple(values.shape)}")
+    return values.to(device)
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:

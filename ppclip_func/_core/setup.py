@@ -51,6 +51,9 @@ class NormOptions:
     # (thresholds, ``exclude``, the adaptive rule's static fields): checked with these (``_core.agreement``). A
     # repeated call compares them as given; hashed or compared on a miss, each is ``_core.agreement.marked``.
     also_agree: tuple[tuple[str, Any], ...] = ()
+    # How many entries of other statistics ride the collective after the norms', summed over the ranks
+    # (a step's loss, its token count, its non-finite flags: ``_clip.step``); only with a sum-type norm.
+    sums: int = 0
 
 
 # A NormOptions' fields as a tuple (operator.attrgetter: one C call, where dataclasses.astuple deep-copies).
@@ -123,6 +126,7 @@ def static_options(p: Any, opts: NormOptions, state: Any) -> dict[str, Any]:
         if isinstance(opts.pp_mesh, DeviceMesh)
         else opts.pp_mesh,
         "the adaptive state's type": type(state).__name__ if state is not None else None,
+        "the step's statistics": opts.sums,
         **{name: marked(value) for name, value in opts.also_agree},
     }
 
