@@ -45,7 +45,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
-import os
 import sys
 import types
 from collections.abc import Iterator
@@ -55,6 +54,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from tests._trainer_checks import as_launched_worker
 
 ACCELERATE_VERSION = "1.15.0"
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
@@ -194,8 +195,7 @@ def new_accelerator(layout: Layout, **kwargs: Any) -> Any:
     from accelerate.state import AcceleratorState, GradientState, PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    as_launched_worker(dist.get_rank(), dist.get_world_size())
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     PartialState(cpu=True)  # joins the gloo process group the harness started

@@ -30,9 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,8 +38,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from tests._collectives import CollectiveCounter, steady_count
-from tests._gather import gather_objects, model_gradient
+from tests._gather import model_gradient, shared_dir
 from tests._reference import reference_coefficient, reference_norm
+from tests._trainer_checks import as_launched_worker, local, local_copies, max_rel_error, put_back
 
 TRANSFORMERS_VERSION = "5.23.0"
 VOCAB, SEQ = 64, 8
@@ -64,23 +62,11 @@ def tiny_llama_config() -> Any:
 
 
 @contextlib.contextmanager
-def shared_folder(prefix: str) -> Iterator[str]:
-    """A temporary folder made by rank 0, the same path on every rank; removed after every rank is done."""
-    path = gather_objects(tempfile.mkdtemp(prefix=prefix) if dist.get_rank() == 0 else None)[0]
-    try:
-        yield path
-    finally:
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(path, ignore_errors=True)
-
-
-@contextlib.contextmanager
 def tiny_llama() -> Iterator[str]:
     """The folder of a tiny Llama saved by rank 0 (``save_pretrained``), from a config and a fixed seed."""
     from transformers import LlamaForCausalLM
 
-    with shared_folder("ppclip_tiny_llama_") as path:
+    with shared_dir("ppclip_tiny_llama_") as path:
         if dist.get_rank() == 0:
             torch.manual_seed(0)
             LlamaForCausalLM(tiny_llama_config()).save_pretrained(path)
@@ -107,10 +93,7 @@ def training_arguments(output_dir: str, *, cpu_as_gpu: bool = False, **kwargs: A
     from accelerate.utils import DistributedType
     from transformers import TrainingArguments
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # read, not used: the process group exists already
-    os.environ.setdefault("MASTER_PORT", "29500")
+    as_launched_worker(dist.get_rank(), dist.get_world_size())
     AcceleratorState._reset_state(reset_partial_state=True)
     if cpu_as_gpu:
         PartialState(cpu=True)  # joins the harness's gloo process group
@@ -128,10 +111,6 @@ def training_arguments(output_dir: str, *, cpu_as_gpu: bool = False, **kwargs: A
         log_level="error",
     )
     return TrainingArguments(output_dir, **{**defaults, **kwargs})
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -177,7 +156,7 @@ class Probe:
 
     def _step(self, model: torch.nn.Module, method: str, theirs_fn: Any, ours_fn: Any) -> torch.Tensor:
         grads = _grads(model)
-        saved = {n: local(g).detach().clone() for n, g in grads.items()}
+        saved = local_copies(grads)
         full = model_gradient(grads)
         reference = reference_norm(full.values(), self.norm_type)
         reference_p2 = reference_norm(full.values(), 2.0)
@@ -186,25 +165,15 @@ class Probe:
 
         def error(expected_norm: float) -> float:
             coefficient = reference_coefficient(expected_norm, max_norm) if clipping else 1.0
-            worst = 0.0
-            for n, g in _grads(model).items():
-                want = saved[n].double() * coefficient
-                got = local(g).double()
-                if want.numel():
-                    worst = max(worst, float(((got - want).abs() / want.abs()).nan_to_num(0.0).max()))
-            return worst
-
-        def restore() -> None:
-            with torch.no_grad():
-                for n, g in _grads(model).items():
-                    local(g).copy_(saved[n])
+            errors = [max_rel_error(local(g), saved[n].double() * coefficient) for n, g in _grads(model).items()]
+            return max(errors, default=0.0)
 
         path = "_mixed_mesh_grad_norm" if self.trainer._has_mixed_mesh_grads(model) else "accelerator.clip_grad_norm_"
         with CollectiveCounter() as theirs_counter:
             theirs = theirs_fn()
         theirs = float(theirs.full_tensor() if isinstance(theirs, DTensor) else theirs)
         theirs_error = error(reference_p2)
-        restore()
+        put_back(_grads(model), saved)
         with CollectiveCounter() as counter:
             ours = ours_fn(model)
         kinds = {

@@ -14,21 +14,16 @@ import importlib.util
 import json
 import math
 import pathlib
-import sys
 
 import pytest
 
 from bench import _allocator
-from tests._processes import python, run_bounded
+from tests._processes import WHOLE_COMMANDS, python, run_bounded
 
 TIMEOUT_S = 420
 STUDIES = ("bandwidth", "leaves", "distributed", "ranks", "features", "optimizer")
 
-# Slow (each runs a whole command): left out of `make test-quick`.
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(sys.platform != "linux", reason="tests/_processes.py reads /proc"),
-]
+pytestmark = WHOLE_COMMANDS  # each test runs a whole command
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +42,20 @@ def _load(results: pathlib.Path, name: str) -> dict:
     return data
 
 
-def _positive_numbers(d: dict, where: str) -> None:
+def _run_study(module: str, out: pathlib.Path, timeout: float, *flags: str) -> None:
+    """Runs ``python -m bench.<module> --quick FLAGS --out OUT`` with a hard timeout; it must leave nothing behind."""
+    cmd = [python(), "-m", f"bench.{module}", "--quick", *flags, "--out", str(out)]
+    code, log, leftovers = run_bounded(cmd, timeout)
+    assert not leftovers, f"processes left behind: {leftovers}"
+    assert code == 0, f"{module} {' '.join(flags)} exited with {code}:\n{log[-4000:]}"
+
+
+def _positive_numbers(d: dict, where: str, *fields: str) -> None:
+    """Every value of ``d`` (or of each of its ``fields``, each a dict) is a finite number > 0."""
+    if fields:
+        for field in fields:
+            _positive_numbers(d[field], f"{where} {field}")
+        return
     assert d, f"{where} is empty"
     for k, v in d.items():
         assert isinstance(v, (int, float)) and math.isfinite(v) and v > 0, f"{where}[{k!r}] = {v!r}"
@@ -80,9 +88,7 @@ def test_bandwidth_schema(results: pathlib.Path):
             "ours_compiled_inplace",
             "ours_compiled_pure",
         }
-        _positive_numbers(d["ms"], f"{dtype} ms")
-        _positive_numbers(d["fraction_of_bound"], f"{dtype} fraction_of_bound")
-        _positive_numbers(d["bound_GBps"], f"{dtype} bound_GBps")
+        _positive_numbers(d, dtype, "ms", "fraction_of_bound", "bound_GBps")
         assert set(d["fraction_of_bound"]) == set(d["ms"]) - {"bound_inplace", "bound_pure"}
     # The pure variants again under every C allocator setting, each in a process of its own.
     assert data["allocator"] in _allocator.ALLOCATORS
@@ -101,10 +107,7 @@ def test_bandwidth_schema(results: pathlib.Path):
     _allocator.find_jemalloc() is None, reason="libjemalloc is not installed (`make bench` installs libjemalloc2)"
 )
 def test_bandwidth_study_reexecutes_itself_under_jemalloc(tmp_path: pathlib.Path):
-    cmd = [python(), "-m", "bench.bandwidth_study", "--quick", "--allocator", "jemalloc", "--pure-only"]
-    code, log, leftovers = run_bounded([*cmd, "--out", str(tmp_path)], 180)
-    assert not leftovers, f"processes left behind: {leftovers}"
-    assert code == 0, f"bandwidth_study --allocator jemalloc exited with {code}:\n{log[-4000:]}"
+    _run_study("bandwidth_study", tmp_path, 180, "--allocator", "jemalloc", "--pure-only")
     data = json.loads((tmp_path / "bandwidth-jemalloc.json").read_text())
     assert data["study"] == "bandwidth"
     # read in the child from /proc/self/maps: jemalloc was loaded, not just asked for
@@ -130,10 +133,7 @@ def test_leaves_schema(results: pathlib.Path):
                 "torch_dtensor_eager",
                 "ours_dtensor_eager",
             }
-            _positive_numbers(p["ms"], f"{series} {p['leaves']} ms")
-            _positive_numbers(p["ratio_torch_over_ours"], f"{series} {p['leaves']} ratios")
-            _positive_numbers(p["compile_s"], f"{series} {p['leaves']} compile_s")
-            _positive_numbers(p["first_call_ms"], f"{series} {p['leaves']} first_call_ms")
+            _positive_numbers(p, f"{series} {p['leaves']}", "ms", "ratio_torch_over_ours", "compile_s", "first_call_ms")
 
 
 def test_distributed_counts_one_collective_for_ours(results: pathlib.Path):
@@ -212,25 +212,18 @@ def test_summary_has_the_goal_table(results: pathlib.Path):
 def test_gpu_study_runs_its_variants_on_the_cpu_at_smoke_size(tmp_path: pathlib.Path):
     # The GPU study is study 1 on other shapes and a device; here it runs with
     # the CPU as its device, to check the script before a GPU session needs it.
-    cmd = [python(), "-m", "bench.gpu_study", "--quick", "--device", "cpu", "--out", str(tmp_path)]
-    code, log, leftovers = run_bounded(cmd, 180)
-    assert not leftovers, f"processes left behind: {leftovers}"
-    assert code == 0, f"gpu_study exited with {code}:\n{log[-4000:]}"
+    _run_study("gpu_study", tmp_path, 180, "--device", "cpu")
     data = _load(tmp_path, "gpu")
     assert data["measured"] is True and data["device"] == "cpu"
     assert data["model"]["leaves"] == 2 * 9 + 3
     assert not data["errors"], data["errors"]
     d = data["dtypes"]["bfloat16"]
     assert set(d["fraction_of_bound"]) == set(d["ms"]) - {"bound_inplace", "bound_pure"}
-    _positive_numbers(d["ms"], "gpu ms")
-    _positive_numbers(d["fraction_of_bound"], "gpu fraction_of_bound")
+    _positive_numbers(d, "gpu", "ms", "fraction_of_bound")
 
 
 def test_agree_cost_measures_both_checks_on_two_ranks(tmp_path: pathlib.Path):
-    cmd = [python(), "-m", "bench.agree_cost", "--quick", "--out", str(tmp_path)]
-    code, log, leftovers = run_bounded(cmd, 300)
-    assert not leftovers, f"processes left behind: {leftovers}"
-    assert code == 0, f"agree_cost exited with {code}:\n{log[-4000:]}"
+    _run_study("agree_cost", tmp_path, 300)
     data = json.loads((tmp_path / "agree_cost.json").read_text())
     assert data["ranks"] == 2 and data["quick"] is True
     cases = [row["case"] for row in data["rows"]]
@@ -262,10 +255,7 @@ def test_optimizer_schema_and_what_a_skipped_step_allocates(results: pathlib.Pat
 
 
 def test_busy_study_times_both_clips_idle_and_with_the_other_cores_busy(tmp_path: pathlib.Path):
-    cmd = [python(), "-m", "bench.busy_study", "--quick", "--out", str(tmp_path)]
-    code, log, leftovers = run_bounded(cmd, 180)
-    assert not leftovers, f"processes left behind (a spinner not stopped?): {leftovers}"
-    assert code == 0, f"busy_study exited with {code}:\n{log[-4000:]}"
+    _run_study("busy_study", tmp_path, 180)  # a spinner not stopped would be left behind
     data = _load(tmp_path, "busy")
     assert data["quick"] is True and data["runs"] >= 5
     for point in data["points"]:
@@ -278,10 +268,7 @@ def test_busy_study_times_both_clips_idle_and_with_the_other_cores_busy(tmp_path
 
 
 def test_write_back_study_times_each_way_of_keeping_the_state_and_they_agree(tmp_path: pathlib.Path):
-    cmd = [python(), "-m", "bench.write_back_study", "--quick", "--out", str(tmp_path)]
-    code, log, leftovers = run_bounded(cmd, 240)
-    assert not leftovers, f"processes left behind: {leftovers}"
-    assert code == 0, f"write_back_study exited with {code}:\n{log[-4000:]}"
+    _run_study("write_back_study", tmp_path, 240)
     data = _load(tmp_path, "write_back")
     assert set(data["ms"]) == {"returned", "write_back", "copied_after", "in_place"}
     _positive_numbers({**data["ms"], **data["ratio_vs_returned"]}, "write_back")
@@ -290,11 +277,7 @@ def test_write_back_study_times_each_way_of_keeping_the_state_and_they_agree(tmp
 
 
 def test_sweep_eager_only_times_the_eager_clips_and_compiles_nothing(tmp_path: pathlib.Path):
-    flags = ["--quick", "--eager-only", "--dtypes", "float32", "--out", str(tmp_path)]
-    cmd = [python(), "-m", "bench.sweep_study", *flags]
-    code, log, leftovers = run_bounded(cmd, 180)
-    assert not leftovers, f"processes left behind: {leftovers}"
-    assert code == 0, f"sweep_study exited with {code}:\n{log[-4000:]}"
+    _run_study("sweep_study", tmp_path, 180, "--eager-only", "--dtypes", "float32")
     data = _load(tmp_path, "sweep")
     points = data["series"]["fixed_total"] + data["series"]["fixed_leaf"]
     assert points and not data["series"]["step"] and not data["series"]["dtensor"]

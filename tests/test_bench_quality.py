@@ -16,20 +16,15 @@ import importlib.util
 import json
 import math
 import pathlib
-import sys
 
 import pytest
 
-from tests._processes import python, run_bounded
+from tests._processes import WHOLE_COMMANDS, python, run_bounded
 
 TIMEOUT_S = 300
 RULES = ("none", "fixed", "zclip", "zclip_skip", "adagc", "zclip_pkg")
 
-# Slow (each runs a whole command): left out of `make test-quick`.
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(sys.platform != "linux", reason="tests/_processes.py reads /proc"),
-]
+pytestmark = WHOLE_COMMANDS  # each test runs a whole command
 
 
 @pytest.fixture(scope="module")

@@ -13,17 +13,16 @@ from __future__ import annotations
 
 import math
 import re
-import sys
 
 import pytest
 
 from demo.run import StepLog, _relative_difference, _report
-from tests._processes import python, run_bounded
+from tests._processes import needs_proc, python, run_bounded
 
 STEPS = 3
 TIMEOUT_S = 240
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="tests/_processes.py reads /proc")
+pytestmark = needs_proc
 
 
 @pytest.fixture(scope="module")

@@ -19,20 +19,15 @@ import json
 import math
 import pathlib
 import re
-import sys
 
 import pytest
 
-from tests._processes import python, run_bounded
+from tests._processes import WHOLE_COMMANDS, python, run_bounded
 
 TIMEOUT_S = 240
 SPIKE = 8
 
-# Slow (each runs a whole command): left out of `make test-quick`.
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(sys.platform != "linux", reason="tests/_processes.py reads /proc"),
-]
+pytestmark = WHOLE_COMMANDS  # each test runs a whole command
 
 
 @pytest.fixture(scope="module")

@@ -38,10 +38,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from typing import Any, ClassVar
 
 import pytest
@@ -51,8 +49,19 @@ from torch.distributed.tensor import DTensor
 
 from tests._cases import real_rank_test
 from tests._collectives import CollectiveCounter, steady_count
-from tests._gather import gather_objects, model_gradient
+from tests._gather import gather_objects, model_gradient, shared_dir
 from tests._reference import reference_coefficient, reference_norm
+from tests._trainer_checks import (
+    LIGHTNING_QUIET,
+    RTOL,
+    all_but,
+    as_launched_worker,
+    dtensor_meshes,
+    local,
+    local_copies,
+    max_rel_error,
+    put_back,
+)
 
 pl = pytest.importorskip(
     "pytorch_lightning", reason="pytorch_lightning is not installed (pip install pytorch-lightning)"
@@ -63,7 +72,6 @@ from lightning_fabric.utilities.load import _METADATA_FILENAME  # noqa: E402
 from ppclip_func.lightning import CHECKPOINT_KEY, AdaptiveClipGradNormMixin, ClipGradNormMixin  # noqa: E402
 
 WORLD = 4
-RTOL = 1e-6
 # torch's clip is float32 throughout: within this of float64 on these small models it has read the
 # layouts right (a replica counted twice or a shard left out is off by far more).
 LIGHTNING_RTOL = 1e-5
@@ -145,10 +153,6 @@ class Body(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _as_float(t: torch.Tensor) -> float:
     return float(t.full_tensor() if isinstance(t, DTensor) else t)
 
@@ -190,20 +194,20 @@ class Probe:
         p = self.norm_types[self.trainer.global_step % len(self.norm_types)]
         self.gradient_clip_norm_type = p
         grads = {n: q.grad for n, q in self.named_parameters()}
-        self.meshes |= {g.device_mesh.mesh_dim_names for g in grads.values() if isinstance(g, DTensor)}
-        saved = {n: _local(g).detach().clone() for n, g in grads.items()}
+        self.meshes |= dtensor_meshes(grads.values())
+        saved = local_copies(grads)
         step = Step(p, reference_norm(model_gradient(grads).values(), p), float(gradient_clip_val))
         if self.compare_lightning and not self.steps:
             self.grad_norm_utility = _grad_norm_utility(self)
         if self.compare_lightning:
             self._lightning_clip(step, optimizer, gradient_clip_val, gradient_clip_algorithm)
-            _restore(self, saved)
+            put_back(grads, saved)
         with CollectiveCounter() as c:
             norm = super().clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
         step.ours, step.ours_ops = float(norm), c.ops
         coefficient = reference_coefficient(step.expected, step.max_norm)
         step.clipped_err = max(
-            _rel_err(_local(q.grad), saved[n].double() * coefficient) for n, q in self.named_parameters()
+            max_rel_error(local(q.grad), saved[n].double() * coefficient) for n, q in self.named_parameters()
         )
         self.steps.append(step)
         return norm
@@ -216,7 +220,7 @@ class Probe:
         norms: list[torch.Tensor] = []
         torch_clip = torch.nn.utils.clip_grad_norm_
         params = list(self.trainer.precision_plugin.main_params(optimizer))
-        empty = any(not _local(q.grad).numel() for q in params)  # an FSDP2 shard with no element on this rank
+        empty = any(not local(q.grad).numel() for q in params)  # an FSDP2 shard with no element on this rank
         step.empty_shard_ranks = [r for r, e in enumerate(gather_objects(empty)) if e]
 
         def recorded(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -229,7 +233,7 @@ class Probe:
             # inf: it raises on a rank whose shard is empty, while the others go on into the all-reduce and
             # wait for them. Only that first op is run here, on the local shards, so that no rank is left waiting.
             try:
-                torch._foreach_norm([_local(q.grad) for q in params], math.inf)
+                torch._foreach_norm([local(q.grad) for q in params], math.inf)
             except RuntimeError as e:
                 error = f"{type(e).__name__}: {str(e).splitlines()[0]}"
             _record_error(step, error)
@@ -271,19 +275,6 @@ def _record_error(step: Step, error: str | None) -> None:
     step.lightning_error_seen = next((e for e in errors if e is not None), None)
 
 
-def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    """The largest element-wise relative error (0 where both are 0)."""
-    if not want.numel():
-        return 0.0
-    return float(((got.double() - want).abs() / want.abs()).nan_to_num(0.0, posinf=math.inf).max())
-
-
-def _restore(module: torch.nn.Module, saved: dict[str, torch.Tensor]) -> None:
-    with torch.no_grad():
-        for n, q in module.named_parameters():
-            _local(q.grad).copy_(saved[n])
-
-
 class Net(Probe, ClipGradNormMixin, Body):
     def __init__(self, tp_everything: bool = False) -> None:
         super().__init__(tp_everything)
@@ -310,24 +301,10 @@ class AdaptiveNet(Probe, AdaptiveClipGradNormMixin, Body):
 # ---------------------------------------------------------------------------------------------
 
 
-def _as_torchrun_worker(rank: int, world_size: int) -> None:
-    """The environment torchrun gives its workers: Lightning then uses the process group already started."""
-    os.environ.update(
-        TORCHELASTIC_RUN_ID="ppclip-test",
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        GROUP_RANK="0",
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="29500",  # not used: the process group is already there
-    )
-
-
-def _trainer(layout: Layout, max_steps: int, **kwargs: Any) -> Any:
+def _trainer(layout: Layout, max_steps: int) -> Any:
     from pytorch_lightning.strategies import ModelParallelStrategy
 
-    _as_torchrun_worker(dist.get_rank(), dist.get_world_size())
+    as_launched_worker(dist.get_rank(), dist.get_world_size(), torchrun=True)
     return pl.Trainer(
         strategy=ModelParallelStrategy(data_parallel_size=layout.dp, tensor_parallel_size=layout.tp),
         accelerator="cpu",
@@ -335,10 +312,7 @@ def _trainer(layout: Layout, max_steps: int, **kwargs: Any) -> Any:
         max_steps=max_steps,
         gradient_clip_val=CLIP_VAL,
         gradient_clip_algorithm="norm",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kwargs,
+        **LIGHTNING_QUIET,
     )
 
 
@@ -424,7 +398,7 @@ def rank_zero() -> bool:
 def _fit_layout(name: str) -> None:
     layout = LAYOUTS[name]
     model = Net(layout.tp_everything)
-    trainer = _trainer(layout, len(STEP_NORM_TYPES), enable_checkpointing=False)
+    trainer = _trainer(layout, len(STEP_NORM_TYPES))
     trainer.fit(model, _data(layout.dp, len(STEP_NORM_TYPES)))
     failures = _check_steps(name, model.steps, layout)
     if rank_zero():
@@ -454,10 +428,9 @@ def _case(name: str) -> Any:
 def adaptive_checkpoint(rank: int, world_size: int) -> None:
     """``AdaptiveClipGradNormMixin``: its state in Lightning's (distributed) checkpoint and back in a new Trainer."""
     layout = LAYOUTS["dp2_tp2_mixed"]
-    path = gather_objects(tempfile.mkdtemp(prefix="ppclip_lightning_") if rank == 0 else None)[0]
-    try:
+    with shared_dir("ppclip_lightning_") as path:
         model = AdaptiveNet()
-        trainer = _trainer(layout, 3, enable_checkpointing=False)
+        trainer = _trainer(layout, 3)
         trainer.fit(model, _data(layout.dp, 4))
         saved = model.clip_state.state_dict()
         ckpt = os.path.join(path, "last.ckpt")
@@ -474,7 +447,7 @@ def adaptive_checkpoint(rank: int, world_size: int) -> None:
                 failures.append(f"the checkpoint has no clip state: {sorted(meta)}")
 
         resumed = AdaptiveNet()
-        trainer = _trainer(layout, 4, enable_checkpointing=False)
+        trainer = _trainer(layout, 4)
         trainer.fit(resumed, _data(layout.dp, 4), ckpt_path=ckpt)
         if resumed.loaded is None or any(not torch.equal(resumed.loaded[k], saved[k].cpu()) for k in saved):
             failures.append(f"the resumed state {resumed.loaded} is not the saved {saved}")
@@ -482,15 +455,12 @@ def adaptive_checkpoint(rank: int, world_size: int) -> None:
             failures.append(f"after one more step: {len(resumed.steps)} clips, count {resumed.clip_state.state.count}")
         failures += _check_steps("adaptive, resumed", resumed.steps, None)
         assert not failures, "\n".join(failures)
-    finally:
-        dist.barrier()
-        if rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
 
 
 CASES = [*(_case(name) for name in LAYOUTS), adaptive_checkpoint]
 
-test_on_real_ranks = real_rank_test(CASES, WORLD, case_timeout=60.0)
+# make test-quick runs one layout alone on the ranks (about 5 s); the others are slow.
+test_on_real_ranks = real_rank_test(CASES, WORLD, case_timeout=60.0, slow=all_but(CASES, "dp4"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -525,15 +495,7 @@ class Manual(ClipGradNormMixin, pl.LightningModule):
 def test_manual_optimization_one_process(algorithm: str) -> None:
     """By norm: ours, the norm returned and logged; by value: Lightning's, ``None`` returned."""
     model = Manual(algorithm)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, **LIGHTNING_QUIET)
     trainer.fit(model, torch.utils.data.DataLoader(torch.tensor([[3.0, 4.0]])))
     if algorithm == "norm":
         assert model.returned == [torch.tensor(5.0, dtype=torch.float64)]

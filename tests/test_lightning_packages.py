@@ -28,12 +28,12 @@ from typing import Any, ClassVar
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from tests._cases import real_rank_test
 from tests._collectives import CollectiveCounter
 from tests._gather import gather_objects, model_gradient
 from tests._reference import reference_coefficient, reference_norm
+from tests._trainer_checks import LIGHTNING_QUIET, all_but, as_launched_worker, dtensor_meshes, local
 
 L = pytest.importorskip("lightning", reason="lightning is not installed (pip install lightning)")
 pl = pytest.importorskip("pytorch_lightning", reason="pytorch_lightning is not installed")
@@ -87,14 +87,13 @@ def _body(base: type) -> type:
 
         def clip_gradients(self, optimizer: Any, gradient_clip_val: Any = None, gradient_clip_algorithm: Any = None):
             grads = {n: q.grad for n, q in self.named_parameters()}
-            saved = {n: _local(g).detach().double() for n, g in grads.items()}
+            saved = {n: local(g).detach().double() for n, g in grads.items()}
             expected = reference_norm(model_gradient(grads).values(), 2.0)
             with CollectiveCounter() as counter:
                 norm = super().clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
             coefficient = reference_coefficient(expected, CLIP_VAL)
             err = max(
-                float((_local(q.grad).double() - saved[n] * coefficient).abs().max())
-                for n, q in self.named_parameters()
+                float((local(q.grad).double() - saved[n] * coefficient).abs().max()) for n, q in self.named_parameters()
             )
             self.seen.append((expected, float(norm), err))
             self.ops.append(counter.count)
@@ -103,37 +102,15 @@ def _body(base: type) -> type:
     return Body
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _as_torchrun_worker() -> None:
-    """The environment torchrun gives its workers: Lightning then uses the process group already started."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    os.environ.update(
-        TORCHELASTIC_RUN_ID="ppclip-test",
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        GROUP_RANK="0",
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="29500",
-    )
-
-
 def _fit(package: Any, strategy: Any, model: Any) -> Any:
-    _as_torchrun_worker()
+    as_launched_worker(dist.get_rank(), dist.get_world_size(), torchrun=True)
     trainer = package.Trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=dist.get_world_size(),
         max_steps=STEPS,
         gradient_clip_val=CLIP_VAL,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **LIGHTNING_QUIET,
     )
     g = torch.Generator().manual_seed(1)
     n = BATCH * dist.get_world_size() * STEPS
@@ -156,7 +133,7 @@ def docs_snippet_unified(rank: int, world_size: int) -> None:
     assert model.ops[-1] == 1, model.ops
     assert float(trainer.callback_metrics["grad_norm"]) == model.seen[-1][1]
     # The gradients mixed two meshes (the head on FSDP's alone): where torch's own clip raises.
-    meshes = {q.device_mesh.mesh_dim_names for q in model.parameters() if isinstance(q, DTensor)}
+    meshes = dtensor_meshes(model.parameters())
     assert meshes == {("data_parallel", "tensor_parallel"), ("data_parallel",)}, meshes
     # Every rank holds the same norm, bit for bit.
     assert len(set(gather_objects(model.seen[-1][1]))) == 1
@@ -196,7 +173,8 @@ def fsdp1_refused_pytorch_lightning(rank: int, world_size: int) -> None:
 
 CASES = [docs_snippet_unified, fsdp1_refused_unified, fsdp1_refused_pytorch_lightning]
 
-test_on_real_ranks = real_rank_test(CASES, WORLD, case_timeout=60.0)
+# make test-quick runs the docs' snippet alone on the ranks (about 5 s); the refusals are slow.
+test_on_real_ranks = real_rank_test(CASES, WORLD, case_timeout=60.0, slow=all_but(CASES, "docs_snippet_unified"))
 
 
 # One package alone: the other is made unimportable in a fresh interpreter.
@@ -284,16 +262,7 @@ def test_options_set_on_the_instance_are_checked_when_the_fit_starts() -> None:
 
     model = Model()
     before = model.layer.weight.detach().clone()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=1,
-        gradient_clip_val=1.0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, gradient_clip_val=1.0, **LIGHTNING_QUIET)
     with pytest.raises(TypeError, match=r"Model\.adaptive_clip_options: 'zscore_epss' is not an option"):
         trainer.fit(model, torch.utils.data.DataLoader(torch.tensor([[3.0, 4.0]])))
     assert torch.equal(model.layer.weight, before)

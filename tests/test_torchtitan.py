@@ -42,20 +42,18 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from ppclip_func import clip_grad_norm_, global_grad_norm
 from tests._cases import real_rank_test
-from tests._collectives import CollectiveCounter, steady_count
-from tests._gather import model_gradient
-from tests._reference import reference_coefficient, reference_norm
+from tests._collectives import CollectiveCounter
+from tests._gather import gather_objects, model_gradient
 from tests._torchtitan import TORCHTITAN_VERSION, Layout, Trained, needs_torchtitan, train_step
+from tests._trainer_checks import BuiltOnce, Checks, SteppedLayout, every_rank_meshes, layout_case, local_copies
 
 pytestmark = needs_torchtitan
 
 WORLD = 8
 NORM_TYPES = (2.0, 1.0, math.inf)
-RTOL = 1e-6
 # torchtitan's own norm is float32 throughout, and torch's CPU vector_norm of one large shard is off
 # by up to 1.1e-5 here (lm_head's 131k elements): its norms are within 3.1e-5 of float64 on these
 # layouts. Agreeing with it this closely rules out a layout read wrongly in either (a whole
@@ -109,13 +107,10 @@ def test_torchtitan_is_installed() -> None:
 
 
 @dataclasses.dataclass
-class Built:
-    """A layout after one step, with its float64 reference; ``restore()`` undoes an in-place clip."""
+class Built(SteppedLayout):
+    """A layout after one step: what torchtitan's trainer holds at its clip."""
 
-    name: str
     trained: Trained
-    model: dict[str, torch.Tensor]  # the whole model's gradient in float64, by parameter name
-    saved: dict[str, torch.Tensor]  # this rank's local gradients as the step left them
 
     @property
     def parallel_dims(self) -> Any:
@@ -128,39 +123,18 @@ class Built:
         """What torchtitan's trainer passes to the clip: every parameter of every model part."""
         return [p for m in self.trained.model_parts for p in m.parameters()]
 
-    def expected(self, norm_type: float) -> float:
-        return reference_norm(self.model.values(), norm_type)
 
-    def restore(self) -> None:
-        with torch.no_grad():
-            for name, g in self.grads().items():
-                _local(g).copy_(self.saved[name])
+def _step(name: str) -> Built:
+    """Layout ``name`` built with torchtitan on this rank and stepped once."""
+    trained = train_step(LAYOUTS[name])
+    grads = trained.named_grads()
+    meshes = every_rank_meshes(grads.values())
+    assert meshes == GRAD_MESHES[name], meshes
+    assert all(gather_objects(all(g is not None for g in grads.values()))), "a parameter has no gradient after the step"
+    return Built(model_gradient(grads), local_copies(grads), trained)
 
 
-_BUILT: dict[str, Built | BaseException] = {}
-
-
-def _built(name: str) -> Built:
-    """Layout ``name`` built and stepped on this rank (once: its three cases share it; one layout held at a time)."""
-    if name not in _BUILT:
-        _BUILT.clear()
-        try:
-            trained = train_step(LAYOUTS[name])
-            grads = trained.named_grads()
-            meshes = {g.device_mesh.mesh_dim_names for g in grads.values() if isinstance(g, DTensor)}
-            everyone = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, (meshes, all(g is not None for g in grads.values())))
-            assert set().union(*(m for m, _ in everyone)) == GRAD_MESHES[name], everyone
-            assert all(has_all for _, has_all in everyone), "a parameter has no gradient after the step"
-            saved = {n: _local(g).detach().clone() for n, g in grads.items()}
-            _BUILT[name] = Built(name, trained, model_gradient(grads), saved)
-        except BaseException as e:
-            _BUILT[name] = e
-            raise
-    built = _BUILT[name]
-    if isinstance(built, BaseException):
-        raise RuntimeError(f"building {name} failed in an earlier case") from built
-    return built
+_built = BuiltOnce(_step)  # each layout built once, for its three cases
 
 
 def named_world_mesh(parallel_dims: Any) -> DeviceMesh:
@@ -171,92 +145,25 @@ def named_world_mesh(parallel_dims: Any) -> DeviceMesh:
     return mesh
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 # ---------------------------------------------------------------------------------------------
-# The checks: collectives on every rank first, assertions at the end
+# The cases: collectives on every rank first, assertions at the end (tests/_trainer_checks.py)
 # ---------------------------------------------------------------------------------------------
-
-
-class Checks:
-    """Collects failed checks so that every rank reaches the same collectives; keeps the worst errors."""
-
-    def __init__(self, where: str) -> None:
-        self.where = where
-        self.failures: list[str] = []
-        self.worst_norm = 0.0
-        self.worst_grad = 0.0
-        self.worst_torchtitan = 0.0
-        self.collectives: dict[str, set[int]] = {}
-
-    def norm(self, what: str, actual: torch.Tensor | float, expected: float) -> None:
-        """``actual`` is the float64 norm ``expected`` within 1e-6."""
-        self.worst_norm = max(self.worst_norm, self._close(what, actual, expected, RTOL))
-
-    def torchtitan_norm(self, what: str, actual: torch.Tensor | float, expected: float) -> None:
-        """``actual`` is ``expected`` within torchtitan's float32 precision (:data:`TORCHTITAN_RTOL`)."""
-        self.worst_torchtitan = max(self.worst_torchtitan, self._close(what, actual, expected, TORCHTITAN_RTOL))
-
-    def _close(self, what: str, actual: torch.Tensor | float, expected: float, rtol: float) -> float:
-        err = abs(float(actual) - expected) / expected
-        if not err <= rtol:
-            self.failures.append(f"{what}: {float(actual)!r}, expected {expected!r} (relative error {err:.3g})")
-        return err
-
-    def count(self, what: str, counter: CollectiveCounter, expected: int | None = 1, first_sight: bool = False) -> None:
-        """``counter`` saw ``expected`` collectives (any number if ``None``).
-
-        ``first_sight``: the call may be the first with its options on this world group, which also
-        issues the one-time agreement gather (``ppclip_func/_core/agreement.py``); at most that one is not counted.
-        A call repeating options already seen must issue exactly ``expected``.
-        """
-        n = steady_count(counter) if first_sight else counter.count
-        self.collectives.setdefault(what.split(" ")[0], set()).add(n)
-        if expected is not None and n != expected:
-            self.failures.append(f"{what}: {n} collectives, {expected} expected: {counter.ops}")
-
-    def clipped(self, what: str, built: Built, coefficient: float) -> None:
-        """Every local gradient is the step's gradient times the float64 ``coefficient``, within 1e-6."""
-        for name, g in built.grads().items():
-            want = built.saved[name].double() * coefficient
-            got = _local(g).double()
-            err = float(((got - want).abs() / want.abs()).nan_to_num(0.0).max()) if want.numel() else 0.0
-            self.worst_grad = max(self.worst_grad, err)
-            if not err <= RTOL:
-                self.failures.append(f"{what}: {name} is not the reference scaled (relative error {err:.3g})")
-
-    def done(self) -> None:
-        if dist.get_rank() == 0:
-            counts = ", ".join(f"{k} {sorted(v)}" for k, v in self.collectives.items())
-            print(
-                f"[{self.where}] max rel. error: norm {self.worst_norm:.2e}, clipped grads {self.worst_grad:.2e}, "
-                f"torchtitan's norm {self.worst_torchtitan:.2e}; collectives: {counts}",
-                flush=True,
-            )
-        if self.failures:
-            raise AssertionError(f"{self.where}: {len(self.failures)} failed check(s):\n" + "\n".join(self.failures))
 
 
 def named_mesh(built: Built, checks: Checks) -> None:
     """``global_grad_norm`` and ``clip_grad_norm_`` over torchtitan's named mesh of every rank."""
     mesh = named_world_mesh(built.parallel_dims)
 
+    def clip(max_norm: float, p: float) -> torch.Tensor:
+        return clip_grad_norm_(built.parameters(), mesh, max_norm, p)
+
     def calls(p: float, again: str = "") -> None:
-        expected = built.expected(p)
-        max_norm = expected / 2  # the clip always scales
         first_sight = not again  # a call repeating one above has no one-time agreement gather
         with CollectiveCounter() as c:
             total = global_grad_norm(built.grads(), mesh, p)
-        checks.norm(f"global_grad_norm p={p}{again}", total, expected)
+        checks.close(f"global_grad_norm p={p}{again}", total, built.expected(p))
         checks.count(f"global_grad_norm p={p}{again}", c, first_sight=first_sight)
-        with CollectiveCounter() as c:
-            total = clip_grad_norm_(built.parameters(), mesh, max_norm, p)
-        checks.norm(f"clip_grad_norm_ p={p}{again}", total, expected)
-        checks.count(f"clip_grad_norm_ p={p}{again}", c, first_sight=first_sight)
-        checks.clipped(f"clip_grad_norm_ p={p}{again}", built, reference_coefficient(expected, max_norm))
-        built.restore()
+        checks.clip(f"clip_grad_norm_ p={p}{again}", built, clip, p, first_sight=first_sight)
 
     for p in NORM_TYPES:
         calls(p)
@@ -275,23 +182,21 @@ def world_mesh(built: Built, checks: Checks) -> None:
         with CollectiveCounter() as c, pytest.raises(ValueError, match="pp_mesh"):
             global_grad_norm(built.grads(), world, 2.0)
         checks.count("refused", c, expected=None)
+
+    def clip(max_norm: float, p: float) -> torch.Tensor:
+        return clip_grad_norm_(built.parameters(), world, max_norm, p, pp_mesh=pp_mesh)
+
     for p in NORM_TYPES:
         expected = built.expected(p)
-        max_norm = expected / 2
         with CollectiveCounter() as c:
             total = global_grad_norm(built.grads(), world, p, pp_mesh=pp_mesh)
-        checks.norm(f"global_grad_norm(world_mesh, pp_mesh=) p={p}", total, expected)
+        checks.close(f"global_grad_norm(world_mesh, pp_mesh=) p={p}", total, expected)
         checks.count(f"global_grad_norm(world_mesh, pp_mesh=) p={p}", c, first_sight=True)
-        with CollectiveCounter() as c:
-            total = clip_grad_norm_(built.parameters(), world, max_norm, p, pp_mesh=pp_mesh)
-        checks.norm(f"clip_grad_norm_(world_mesh, pp_mesh=) p={p}", total, expected)
-        checks.count(f"clip_grad_norm_(world_mesh, pp_mesh=) p={p}", c, first_sight=True)
-        checks.clipped(f"clip_grad_norm_(world_mesh, pp_mesh=) p={p}", built, reference_coefficient(expected, max_norm))
-        built.restore()
+        checks.clip(f"clip_grad_norm_(world_mesh, pp_mesh=) p={p}", built, clip, p, first_sight=True)
         if pp_mesh is not None:
             with CollectiveCounter() as c:
                 total = global_grad_norm(built.grads(), None, p, pp_mesh=pp_mesh)
-            checks.norm(f"global_grad_norm(None, pp_mesh=) p={p}", total, expected)
+            checks.close(f"global_grad_norm(None, pp_mesh=) p={p}", total, expected)
             checks.count(f"global_grad_norm(None, pp_mesh=) p={p}", c, first_sight=True)
 
 
@@ -315,56 +220,30 @@ def drop_in(built: Built, checks: Checks) -> None:
 
     from ppclip_func.torchtitan import clip_grad_norm_ as ppclip_clip_grad_norm_
 
+    def ours(max_norm: float, p: float) -> torch.Tensor:
+        return _as_the_trainer_calls(ppclip_clip_grad_norm_, built, max_norm, p)
+
     for p in NORM_TYPES:
         expected = built.expected(p)
-        max_norm = expected / 2
+        total = checks.clip(f"ppclip_func.torchtitan p={p}", built, ours, p, first_sight=True)
         with CollectiveCounter() as c:
-            ours = _as_the_trainer_calls(ppclip_clip_grad_norm_, built, max_norm, p)
-        checks.norm(f"ppclip_func.torchtitan p={p}", ours, expected)
-        checks.count(f"ppclip_func.torchtitan p={p}", c, first_sight=True)
-        checks.clipped(f"ppclip_func.torchtitan p={p}", built, reference_coefficient(expected, max_norm))
-        built.restore()
-        with CollectiveCounter() as c:
-            theirs = _as_the_trainer_calls(torchtitan_clip_grad_norm_, built, max_norm, p)
+            theirs = _as_the_trainer_calls(torchtitan_clip_grad_norm_, built, expected / 2, p)
         built.restore()
         checks.count(f"torchtitan p={p}", c, expected=None)
         # torchtitan is right on these layouts, up to its float32 arithmetic: the two agree.
-        checks.torchtitan_norm(f"torchtitan's own clip_grad_norm_ vs float64 p={p}", theirs, expected)
-        checks.torchtitan_norm(f"ppclip_func.torchtitan vs torchtitan's p={p}", ours, float(theirs))
+        what = f"torchtitan's own clip_grad_norm_ vs float64 p={p}"
+        checks.close(what, theirs, expected, TORCHTITAN_RTOL, "torchtitan")
+        checks.close(
+            f"ppclip_func.torchtitan vs torchtitan's p={p}", total, float(theirs), TORCHTITAN_RTOL, "torchtitan"
+        )
     # The trainer's next step: the same call, its options agreed on already: exactly one collective.
-    p = NORM_TYPES[0]
-    expected = built.expected(p)
-    max_norm = expected / 2
-    with CollectiveCounter() as c:
-        ours = _as_the_trainer_calls(ppclip_clip_grad_norm_, built, max_norm, p)
-    checks.norm(f"ppclip_func.torchtitan p={p}, again", ours, expected)
-    checks.count(f"ppclip_func.torchtitan p={p}, again", c)
-    checks.clipped(f"ppclip_func.torchtitan p={p}, again", built, reference_coefficient(expected, max_norm))
-    built.restore()
+    checks.clip(f"ppclip_func.torchtitan p={NORM_TYPES[0]}, again", built, ours, NORM_TYPES[0])
 
 
-PARTS = (named_mesh, world_mesh, drop_in)
+PARTS: tuple[Callable[[Built, Checks], None], ...] = (named_mesh, world_mesh, drop_in)
 
 
-def _case(layout: str, part: Callable[[Built, Checks], None]) -> Callable[[int, int], None]:
-    """The module-level case ``{layout}__{part}`` (pickled by name into the ranks)."""
-    name = f"{layout}__{part.__name__}"
-
-    def case(rank: int, world_size: int) -> None:
-        built = _built(layout)
-        checks = Checks(name)
-        try:
-            part(built, checks)
-        finally:
-            built.restore()
-        checks.done()
-
-    case.__name__ = case.__qualname__ = name
-    globals()[name] = case
-    return case
-
-
-CASES = [_case(layout, part) for layout in LAYOUTS for part in PARTS]
+CASES = [layout_case(globals(), layout, part, _built) for layout in LAYOUTS for part in PARTS]
 SKIP = {
     case.__name__: reason
     for case in CASES
@@ -372,4 +251,5 @@ SKIP = {
 }
 
 # The first case builds torchtitan's meshes and model on 8 ranks of 2 busy cores: gloo waits up to 2 minutes.
-test_on_real_ranks = real_rank_test(CASES, WORLD, case_timeout=120.0, skip=SKIP)
+# Every case is slow: one layout alone takes 18 s and more, left out of make test-quick.
+test_on_real_ranks = pytest.mark.slow(real_rank_test(CASES, WORLD, case_timeout=120.0, skip=SKIP))

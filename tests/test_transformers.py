@@ -43,9 +43,11 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
+from tests import _trainer_checks
 from tests._cases import real_rank_test
+from tests._gather import shared_dir
+from tests._trainer_checks import RTOL, all_but
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no download: the model is built from a config
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -58,12 +60,10 @@ from tests._transformers import (  # noqa: E402
     Probe,
     TokenDataset,
     logs_callback,
-    shared_folder,
     tiny_llama,
     training_arguments,
 )
 
-RTOL = 1e-6
 TRAINER_RTOL = 1e-5  # the Trainer's own norm and clip are float32
 MAX_GRAD_NORM = 0.5  # below every step's norm here: the clip scales
 STEPS = 2
@@ -253,22 +253,8 @@ def _train(
     return trainer, probe, logs.logs
 
 
-class Checks:
-    """Collects failed checks, so that every rank reaches the same collectives; prints what was measured."""
-
-    def __init__(self, where: str) -> None:
-        self.where, self.failures, self.worst, self.notes = where, [], {}, []
-
-    def close(self, what: str, actual: float, expected: float, rtol: float) -> None:
-        err = abs(actual - expected) / abs(expected) if expected else abs(actual)
-        key = what.split(" ")[0]
-        self.worst[key] = max(self.worst.get(key, 0.0), err)
-        if not err <= rtol:
-            self.failures.append(f"{what}: {actual!r}, expected {expected!r} (relative error {err:.3g} > {rtol:g})")
-
-    def that(self, ok: bool, what: str) -> None:
-        if not ok:
-            self.failures.append(what)
+class Checks(_trainer_checks.Checks):
+    """The shared checks (``tests/_trainer_checks.py``), and those of every step a probe recorded."""
 
     def steps(
         self,
@@ -294,8 +280,8 @@ class Checks:
             )
             self.close(f"ours {at}", float(s.ours), s.reference, RTOL)
             self.close(f"trainer {at}", s.theirs, s.reference_p2, TRAINER_RTOL)
-            self.close(f"ours-grads {at}", s.ours_grads_error, 0.0, RTOL)
-            self.close(f"trainer-grads {at}", s.theirs_grads_error, 0.0, TRAINER_RTOL)
+            self.error(f"ours-grads {at}", s.ours_grads_error, RTOL)
+            self.error(f"trainer-grads {at}", s.theirs_grads_error, TRAINER_RTOL)
             self.that(s.method == "_get_grad_norm" or s.clipped, f"{at}: the clip did not scale")
             self.that(
                 s.collectives == collectives, f"{at}: ours issued {s.collectives} collectives, {collectives} expected"
@@ -307,18 +293,11 @@ class Checks:
         theirs = sorted({s.theirs_collectives for s in probe.steps})
         self.notes.append(f"grads {kinds}; Trainer's path {path} {theirs} collective(s); ours {collectives}")
 
-    def done(self) -> None:
-        if dist.get_rank() == 0:
-            errors = ", ".join(f"{k} {v:.2e}" for k, v in self.worst.items())
-            print(f"[{self.where}] max rel. error vs float64: {errors}; {'; '.join(self.notes)}", flush=True)
-        if self.failures:
-            raise AssertionError(f"{self.where}: {len(self.failures)} failed check(s):\n" + "\n".join(self.failures))
-
 
 def ddp__grad_accumulation(rank: int, world_size: int) -> None:
     """DDP (Accelerate's, ``MULTI_CPU``) with 2 micro-batches per step: every rank holds the whole gradient."""
     checks = Checks("ddp__grad_accumulation")
-    with tiny_llama() as path, shared_folder("ppclip_tf_out_") as out:
+    with tiny_llama() as path, shared_dir("ppclip_tf_out_") as out:
         args = training_arguments(out, max_steps=STEPS, gradient_accumulation_steps=2, max_grad_norm=MAX_GRAD_NORM)
         trainer, probe, logs = _train(path, args)
         checks.that(type(trainer.model_wrapped).__name__ == "DistributedDataParallel", "the model is not DDP")
@@ -329,7 +308,7 @@ def ddp__grad_accumulation(rank: int, world_size: int) -> None:
 def ddp__no_clip(rank: int, world_size: int) -> None:
     """``max_grad_norm=0``: the Trainer only measures, in ``_get_grad_norm``; that norm is ours and logged."""
     checks = Checks("ddp__no_clip")
-    with tiny_llama() as path, shared_folder("ppclip_tf_out_") as out:
+    with tiny_llama() as path, shared_dir("ppclip_tf_out_") as out:
         args = training_arguments(out, max_steps=STEPS, max_grad_norm=0.0)
         _, probe, logs = _train(path, args)
         checks.that(all(s.method == "_get_grad_norm" for s in probe.steps), "a step clipped with max_grad_norm=0")
@@ -342,7 +321,7 @@ def tp2__distributed_config(rank: int, world_size: int) -> None:
     from transformers.distributed import DistributedConfig
 
     checks = Checks("tp2__distributed_config")
-    with tiny_llama() as path, shared_folder("ppclip_tf_out_") as out:
+    with tiny_llama() as path, shared_dir("ppclip_tf_out_") as out:
         args = training_arguments(out, cpu_as_gpu=True, max_steps=STEPS, max_grad_norm=MAX_GRAD_NORM)
         _, probe, logs = _train(path, args, distributed_config=DistributedConfig(tp_size=2))
         checks.steps(probe, logs, path="_mixed_mesh_grad_norm", collectives=1, mixed=True)
@@ -363,7 +342,7 @@ def fsdp2__distributed_config(rank: int, world_size: int) -> None:
     from transformers.distributed import DistributedConfig
 
     checks = Checks("fsdp2__distributed_config")
-    with tiny_llama() as path, shared_folder("ppclip_tf_out_") as out:
+    with tiny_llama() as path, shared_dir("ppclip_tf_out_") as out:
         args = training_arguments(out, max_steps=STEPS, gradient_accumulation_steps=2, max_grad_norm=MAX_GRAD_NORM)
         _, probe, logs = _train(
             path, args, distributed_config=DistributedConfig(fsdp_size=2), options={"norm_type": 1.0}
@@ -378,7 +357,7 @@ def fsdp2__distributed_config(rank: int, world_size: int) -> None:
 def fsdp2__accelerate(rank: int, world_size: int) -> None:
     """FSDP2 through Accelerate (``TrainingArguments(fsdp=..., fsdp_config={"fsdp_version": 2})``)."""
     checks = Checks("fsdp2__accelerate")
-    with tiny_llama() as path, shared_folder("ppclip_tf_out_") as out:
+    with tiny_llama() as path, shared_dir("ppclip_tf_out_") as out:
         args = training_arguments(
             out,
             cpu_as_gpu=True,
@@ -433,7 +412,7 @@ def ddp__adaptive_checkpoint_resume(rank: int, world_size: int) -> None:
     def bits(ts: list[torch.Tensor]) -> list[tuple[str, bytes]]:
         return [(str(t.dtype), t.cpu().numpy().tobytes()) for t in ts]
 
-    with tiny_llama() as path, shared_folder("ppclip_tf_out_") as out:
+    with tiny_llama() as path, shared_dir("ppclip_tf_out_") as out:
         full, record, end = run(out, None)
         checkpoint = os.path.join(out, "checkpoint-2")
         on_disk = torch.load(os.path.join(checkpoint, STATE_NAME), weights_only=True)
@@ -459,7 +438,7 @@ def tp2_fsdp2__distributed_config(rank: int, world_size: int) -> None:
     from transformers.distributed import DistributedConfig
 
     checks = Checks("tp2_fsdp2__distributed_config")
-    with tiny_llama() as path, shared_folder("ppclip_tf_out_") as out:
+    with tiny_llama() as path, shared_dir("ppclip_tf_out_") as out:
         args = training_arguments(out, cpu_as_gpu=True, max_steps=STEPS, max_grad_norm=MAX_GRAD_NORM)
         _, probe, logs = _train(path, args, distributed_config=DistributedConfig(tp_size=2, fsdp_size=2))
         checks.steps(probe, logs, path="_mixed_mesh_grad_norm", collectives=1, mixed=True)
@@ -477,5 +456,6 @@ CASES: list[Callable[[int, int], None]] = [
     ddp__adaptive_checkpoint_resume,
 ]
 
-test_on_2_ranks = real_rank_test(CASES, 2, case_timeout=60.0)
+# make test-quick runs one case alone on the ranks (about 5 s); the others are slow.
+test_on_2_ranks = real_rank_test(CASES, 2, case_timeout=60.0, slow=all_but(CASES, "fsdp2__distributed_config"))
 test_on_4_ranks = pytest.mark.slow(real_rank_test([tp2_fsdp2__distributed_config], 4, case_timeout=90.0))
