@@ -57,6 +57,23 @@ QUICK_LEAVES_OUT = (
     "tests/test_traced_statistics.py::*[[]*-1.0[]]",
     # Two torch threads: the quick run takes one.
     "tests/test_local_statistics.py::*[[]2thread*",
+    # The longest cases of the shared 4-rank run (pp_ddp and stages_without_grads stay; the checkpoint and the
+    # failure path are tested on one process too).
+    "tests/test_layouts.py::test_layout[[]partial_grads-4ranks[]]",
+    "tests/test_layouts.py::test_layout[[]interleaved_pp_fsdp2-4ranks[]]",
+    "tests/test_layouts.py::test_layout[[]tied_embedding-4ranks[]]",
+    "tests/test_checkpoint.py::test_on_real_ranks[[]*",
+    "tests/test_agree_ranks.py::test_on_real_ranks[[]an_adagc_state_that_differs_on_one_rank[]]",
+    "tests/test_reliability_ranks.py::test_on_real_ranks[[]under_compile_a_failing_rank_releases_its_peers[]]",
+    "tests/test_exact_ranks.py::test_on_real_ranks[[]a_compiled_abort_stops_every_rank_too[]]",
+    "tests/test_compile_fake_pg.py::test_fullgraph_each_layout_alone_one_all_reduce",
+    # One of each pair of commands run in a subprocess.
+    "tests/test_lightning_packages.py::test_one_package_alone[[]pytorch_lightning-lightning[]]",
+    "tests/test_plot.py::test_command_defaults_to_the_record_name",
+    "tests/test_plot.py::test_empty_file_is_a_clear_error",
+    "tests/test_functional_train_step.py::test_the_written_back_step_reads_nothing_on_the_host_and_writes_the_state_once",
+    # The harness's own hang test (a rank killed by its timeout).
+    "tests/test_harness_cases.py::test_a_rank_that_skips_a_collective_does_not_hang_its_peer",
 )
 # The one variant of a pattern above that the quick run keeps.
 QUICK_KEEPS = (
