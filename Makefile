@@ -26,7 +26,7 @@ DIST_TESTS := tests/test_agree_ranks.py tests/test_distributed_small.py tests/te
 	tests/test_compile_fake_pg.py tests/test_pipeline_mesh.py tests/test_process_groups.py \
 	tests/test_torch_versions.py tests/test_write_back.py
 
-.PHONY: demo demo-spike test test-quick test-trainers test-dist test-torch test-torch-all test-oldest test-pythons gpu-check lint bench bench-quality clean
+.PHONY: demo demo-spike test test-commands test-quick test-trainers test-dist test-torch test-torch-all test-oldest test-pythons gpu-check lint bench bench-quality clean
 
 # OLMo-core 3.0.0 for tests/test_olmo_core.py, without its dependencies: it asks torch < 2.14, which
 # would make pip replace the venv's torch, and cached-path (imported at module level) brings boto3 and
@@ -103,11 +103,16 @@ QUALITY_ARGS ?=
 bench-quality: $(BENCH_STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m bench.quality_study $(QUALITY_ARGS)
 
+# Lint, types and every test of the package; the tests that run whole commands (the demos, the bench
+# studies at their smoke sizes) are `make test-commands`. CI runs both (.ci/run).
 test: $(STAMP)
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/ruff format --check $(LINTED)
 	$(VENV)/bin/mypy
-	$(PY) -m pytest
+	$(PY) -m pytest -m "not command"
+
+test-commands: $(STAMP)
+	$(PY) -m pytest -m command
 
 test-quick: $(STAMP)
 	$(PY) -m pytest -m "not slow"

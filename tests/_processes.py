@@ -22,10 +22,10 @@ import uuid
 
 import pytest
 
-# A test of a command these helpers run: Linux only. A module of such tests, each a whole command
-# (a demo, a bench study), is slow too: left out of `make test-quick`.
+# A test of a command these helpers run: Linux only. A module of such tests, each a whole command of the
+# repository (a demo, a bench study), is marked `command`: `make test-commands` runs them, not `make test`.
 needs_proc = pytest.mark.skipif(sys.platform != "linux", reason="tests/_processes.py reads /proc")
-WHOLE_COMMANDS = [pytest.mark.slow, needs_proc]
+WHOLE_COMMANDS = [pytest.mark.command, needs_proc]
 
 MARKER = "PPCLIP_TEST_RUN"
 REPO = pathlib.Path(__file__).resolve().parent.parent

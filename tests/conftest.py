@@ -1,9 +1,12 @@
 """What ``make test-quick`` leaves out, and ``--shuffle-seed N``.
 
-``make test-quick`` (``pytest -m "not slow"``) runs every module of the
-package in about 3 minutes on 2 cores; ``make test`` runs everything. Besides
-the tests marked ``slow`` in their own files (whole commands: the demos, the
-bench runs; trainers on real ranks), :data:`QUICK_LEAVES_OUT` marks the
+``make test`` runs every test of the package (``pytest -m "not command"``);
+``make test-commands`` the tests marked ``command``, each of which runs a
+whole command of the repository (the demos, the bench studies at their
+smoke sizes); CI runs both. ``make test-quick`` (``pytest -m "not slow"``)
+runs every module of the package in under 3 minutes on 2 cores: a
+``command`` test is ``slow`` too, and besides the tests marked ``slow`` in
+their own files (trainers on real ranks), :data:`QUICK_LEAVES_OUT` marks the
 variants of a test whose first variant already runs the same code quickly.
 
 ``--shuffle-seed N`` runs the collected tests in a seeded random order, to
@@ -82,6 +85,8 @@ QUICK_KEEPS = (
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
+    if item.get_closest_marker("command") is not None:
+        item.add_marker(pytest.mark.slow)  # a whole command is slow too
     node = item.nodeid
     if any(fnmatch.fnmatchcase(node, p) for p in QUICK_LEAVES_OUT) and not any(
         fnmatch.fnmatchcase(node, p) for p in QUICK_KEEPS

@@ -51,7 +51,7 @@ def _table(out: str) -> list[list[float]]:
     return rows
 
 
-@pytest.mark.slow  # runs the 8-rank demo (about 50 s)
+@pytest.mark.command  # runs the 8-rank demo (about 60 s)
 def test_distributed_norm_matches_single_process_every_step(demo_output: str):
     rows = _table(demo_output)
     assert [int(r[0]) for r in rows] == list(range(1, STEPS + 1)), demo_output
@@ -62,7 +62,7 @@ def test_distributed_norm_matches_single_process_every_step(demo_output: str):
     assert re.search(r"max relative difference \S+ \(OK: tolerance 1e-06\)", demo_output)
 
 
-@pytest.mark.slow  # runs the 8-rank demo (about 50 s)
+@pytest.mark.command  # runs the 8-rank demo (about 60 s)
 def test_each_stage_alone_sees_part_of_the_norm(demo_output: str):
     # For p = 2 the global norm is the root of the sum of the stages' squares: torch's per-stage
     # clip reports the parts, ours their combination.
@@ -72,7 +72,7 @@ def test_each_stage_alone_sees_part_of_the_norm(demo_output: str):
         assert math.hypot(*stages) == pytest.approx(ours, rel=1e-5)
 
 
-@pytest.mark.slow  # runs the 8-rank demo (about 50 s)
+@pytest.mark.command  # runs the 8-rank demo (about 60 s)
 def test_one_collective_and_a_compiled_step(demo_output: str):
     assert "ppclip_func 1 for the whole model" in demo_output
     assert "compiled (aot_eager, fullgraph)" in demo_output
