@@ -86,6 +86,19 @@ def _in_place_adagc(params: Any, state: P.AdaGCState) -> tuple[Any, Any]:
     return ([p.grad for p in params.values()], stats.total_norm), stats.state
 
 
+def _loss(n: int) -> P.LocalLoss:
+    return P.LocalLoss(torch.tensor(2.5 * n), torch.tensor(3 * n))
+
+
+def _pure_with_loss(g: Any, state: Any) -> tuple[Any, Any]:
+    return P.clip_grad_norm_with_loss(g, None, 1.0, _loss(g["b"].shape[0])), state
+
+
+def _in_place_with_loss(params: Any, state: Any) -> tuple[Any, Any]:
+    stats = P.clip_grad_norm_with_loss_(params, None, 1.0, _loss(params["b"].shape[0]))
+    return ([p.grad for p in params.values()], stats), state
+
+
 FORMS: dict[str, Form] = {
     "global_grad_norm": (lambda g, s: (P.global_grad_norm(g, None), s), _grads, lambda: None),
     "clip_grad_norm": (lambda g, s: (P.clip_grad_norm(g, None, 1.0), s), _grads, lambda: None),
@@ -109,6 +122,8 @@ FORMS: dict[str, Form] = {
     "adaptive_clip_grad_norm_": (_in_place_adaptive, _params, P.init_clip_state),
     "adagc_clip_grad_norm": (_pure_adagc, _grads, lambda: P.init_adagc_state(INDEX)),
     "adagc_clip_grad_norm_": (_in_place_adagc, _params, lambda: P.init_adagc_state(INDEX)),
+    "clip_grad_norm_with_loss": (_pure_with_loss, _grads, lambda: None),
+    "clip_grad_norm_with_loss_": (_in_place_with_loss, _params, lambda: None),
 }
 
 
