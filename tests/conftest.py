@@ -70,8 +70,16 @@ QUICK_LEAVES_OUT = (
     "tests/test_reliability_ranks.py::test_on_real_ranks[[]under_compile_a_failing_rank_releases_its_peers[]]",
     "tests/test_exact_ranks.py::test_on_real_ranks[[]a_compiled_abort_stops_every_rank_too[]]",
     "tests/test_compile_fake_pg.py::test_fullgraph_each_layout_alone_one_all_reduce",
+    # Lightning on real ranks (its options, checks and import are tested on one process), and each of its
+    # packages alone in a subprocess.
+    "tests/test_lightning.py::test_on_real_ranks[[]*",
+    "tests/test_lightning_packages.py::test_on_real_ranks[[]*",
+    "tests/test_lightning_packages.py::test_one_package_alone[[]*",
+    # The wheel built and installed into a fresh venv; the compiled step again on a 64-rank world mesh.
+    "tests/test_wheel.py::test_wheel_installs_into_a_fresh_venv_and_clips",
+    "tests/test_compile_fake_pg.py::test_every_rank_of_the_world_mesh_traces_the_same_graph[[]64-*",
+    "tests/test_compile_train_step.py::test_compiled_step_on_a_world_mesh_holds_one_collective",
     # One of each pair of commands run in a subprocess.
-    "tests/test_lightning_packages.py::test_one_package_alone[[]pytorch_lightning-lightning[]]",
     "tests/test_plot.py::test_command_defaults_to_the_record_name",
     "tests/test_plot.py::test_empty_file_is_a_clear_error",
     "tests/test_functional_train_step.py::test_the_written_back_step_reads_nothing_on_the_host_and_writes_the_state_once",
