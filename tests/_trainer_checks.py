@@ -15,7 +15,8 @@ to the float64 reference (``tests/_gather.py``, ``tests/_reference.py``):
   its norm against float64, its collectives counted, the clipped gradients
   the reference scaled.
 * :func:`all_but`: every case but the cheap one is slow, left out of
-  ``make test-quick``, which still starts each integration's ranks once.
+  ``make test-quick``, which still starts each integration's ranks once
+  (but Lightning's: ``tests/conftest.py`` leaves its cheap cases out too).
 * :func:`as_launched_worker`: the environment a launcher gives its workers,
   for trainers that read it (the process group is already the harness's).
 

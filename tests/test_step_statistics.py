@@ -41,7 +41,7 @@ def _microbatches(n: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _summed_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    logits = model(x).float()
+    logits = model(x)
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
@@ -61,15 +61,10 @@ def _reference(max_norm: float, norm_type: float) -> tuple[float, int, dict[str,
     model = _model(torch.float64)
     batches = _microbatches()
     tokens = sum(int((y != IGNORE).sum()) for _, y in batches)
-    mean = sum(_summed_loss_64(model, x, y) for x, y in batches) / tokens
+    mean = sum(_summed_loss(model, x, y) for x, y in batches) / tokens
     mean.backward()
     norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type))
     return float(mean.detach()), tokens, {n: p.grad for n, p in model.named_parameters()}, norm
-
-
-def _summed_loss_64(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    logits = model(x)
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0])

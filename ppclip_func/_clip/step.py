@@ -249,9 +249,8 @@ def _with_loss(
     loss_sum, tokens, flagged = measured.sums.unbind()
     # The count of non-zero elements (p = 0) is the same for g / N as for g.
     total = measured.total / tokens if normalize and found.kind.p != 0 else measured.total
-    stats = StepStats(
-        total, loss_sum / tokens, tokens, ~(loss_sum / tokens).isfinite() | (flagged > 0) | ~total.isfinite()
-    )
+    mean = loss_sum / tokens
+    stats = StepStats(total, mean, tokens, ~mean.isfinite() | (flagged > 0) | ~total.isfinite())
     keep = finite_mask(total, found.kind.p, nonfinite)
 
     def coefficient(dtype: torch.dtype) -> torch.Tensor:

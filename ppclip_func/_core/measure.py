@@ -154,16 +154,16 @@ def measure(
 
 
 def _sums(make: Callable[[], torch.Tensor] | None, n: int, kind: NormKind, device: torch.device) -> torch.Tensor | None:
-    """This rank's other statistics for the collective, checked: ``n`` float64 values, or ``None``."""
+    """This rank's other statistics for the collective: ``n`` float64 values, or ``None``.
+
+    The form refuses a norm that is not summed before any collective (``_clip.step``); here, its invariants.
+    """
+    assert (make is None) == (n == 0), "NormOptions.sums says how many entries the call's sums make"
     if make is None:
-        if n:
-            raise ValueError(f"the options say {n} other statistics ride the collective, and none were given")
         return None
-    if kind.op != "sum":
-        raise ValueError(f"norm_type={kind.p} reduces with {kind.op}: other statistics need a sum-type norm")
+    assert kind.op == "sum", "other statistics ride a summed vector only"
     values = make()
-    if values.shape != (n,) or values.dtype != STAT_DTYPE:
-        raise ValueError(f"other statistics must be {n} float64 values, got {values.dtype} {tuple(values.shape)}")
+    assert values.shape == (n,) and values.dtype == STAT_DTYPE, (values.dtype, values.shape)
     return values.to(device)
 
 
